@@ -1,0 +1,36 @@
+# `make demo` and `make test` work on a fresh machine with Python 3.11: they build .venv first.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PYTHONHASHSEED := 0
+
+.PHONY: demo test test-fast test-slow parity-gate clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m valen_export.demo build/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not gpu" tests
+	$(MAKE) parity-gate
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not gpu and not slow" tests
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow" tests
+
+# The CI parity gate: tiny fixture, both LoRA modes, fp32 and bf16, every built-in case.
+parity-gate: $(STAMP)
+	$(BIN)/python -m parity.gate build/parity-gate
+
+clean:
+	rm -rf build .pytest_cache .hypothesis
