@@ -1,0 +1,67 @@
+"""Shared fixtures: one tiny synthetic Valen fixture and its exports per test session.
+
+They are built by the same `valen-fixture` / `valen-export` code users run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _v(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def pytest_report_header(config):
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
+    return (
+        f"python {platform.python_version()}, torch {torch.__version__}, transformers {_v('transformers')}, "
+        f"peft {_v('peft')}, tokenizers {_v('tokenizers')}, torchvision {_v('torchvision')}, fla-core {_v('fla-core')}; {cuda}"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_fixture(tmp_path_factory):
+    from valen_export.fixture import build_fixture
+
+    return build_fixture(tmp_path_factory.mktemp("fixture") / "tiny", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_fixture, tmp_path_factory):
+    """{"separate": Path, "merged": Path} exports of the tiny fixture."""
+    from valen_export.export import export
+
+    root = tmp_path_factory.mktemp("exports")
+    out = {}
+    for mode in ("separate", "merged"):
+        out[mode] = root / mode
+        export(tiny_fixture.checkpoint, tiny_fixture.base, out[mode], lora_mode=mode, pins_path=tiny_fixture.pins, progress=False)
+    return out
+
+
+def copy_tree(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
