@@ -1,0 +1,3 @@
+from valen_runtime.cli import main
+
+main()

@@ -1,0 +1,61 @@
+"""`valen-run`: answer one request (file or stdin) from an export directory and print the response JSON.
+
+Expected failures (bad request, bad export) print one line to stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import ValenError
+
+
+@click.command(name="valen-run")
+@click.option("--export", "export_dir", required=True, type=click.Path(path_type=Path), help="A valen-export output directory.")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True, help="Compute dtype (the reference runs bf16).")
+@click.option("--mode", type=click.Choice(["per-branch", "shared-prefix"]), default=None, help="Execution mode (default: shared-prefix on CUDA, per-branch on CPU).")
+@click.option("--temperature", type=float, default=None, help="Softmax temperature (default 1.0).")
+@click.option("--calibration", type=click.Path(path_type=Path), default=None, help="Calibration JSON with a scalar 'temperature'.")
+@click.option("--verify", type=click.Choice(["none", "size", "full"]), default="size", show_default=True, help="Check file sizes, or re-hash every file, before loading.")
+@click.option("--timings", is_flag=True, help="Print compile/model seconds to stderr.")
+@click.argument("request", type=click.Path(allow_dash=True, path_type=str))
+def main(export_dir, device, dtype, mode, temperature, calibration, verify, timings, request) -> None:
+    """Run Valen on REQUEST (a JSON file, or - for stdin) and print the response JSON.
+
+    \b
+    Example:
+      echo '{"model": "valen-preview-0923", "state": "The card was charged twice.",
+             "questions": {"q": {"type": "choice", "instructions": "What next?",
+                                 "criteria": {"refund": "Refund it", "wait": "Wait"}}}}' \\
+        | valen-run --export build/demo/export-separate -
+    """
+    import torch
+
+    from .answers import load_temperature
+    from .compile import parse_request_bytes
+    from .engine import Engine
+
+    try:
+        if temperature is not None and calibration is not None:
+            raise ValenError("--temperature and --calibration are mutually exclusive")
+        temp = load_temperature(calibration) if calibration is not None else (1.0 if temperature is None else temperature)
+        raw = sys.stdin.buffer.read() if request == "-" else Path(request).read_bytes()
+        req = parse_request_bytes(raw)
+        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        engine = Engine.load(export_dir, device=dev, dtype=dtype, verify=verify, mode=mode, temperature=temp)
+        result = engine.run(req)
+    except (ValenError, ValueError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(result.response, ensure_ascii=False))
+    if timings:
+        click.echo(json.dumps({k: round(v, 6) for k, v in result.timings.items()}), err=True)
+
+
+if __name__ == "__main__":
+    main()

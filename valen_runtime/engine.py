@@ -1,0 +1,162 @@
+"""Engine: compiled request -> per-question logits -> Valen response.
+
+Two execution modes compute the same function:
+- "per-branch": the reference's shape. Every branch is one full forward of state + suffix from
+  position 0 (batch 1, no cache), exactly as Valen runs it; the parity baseline.
+- "shared-prefix": the state runs once; every branch continues from its final per-layer state
+  (GDN recurrent state and conv tail, attention K/V) with all suffixes batched together. Exact
+  in real arithmetic (the layers are causal); only rounding differs, measured by valen-parity.
+The vision tower runs once per request in both modes (it is deterministic given the pixels).
+The engine knows nothing about JSON validation or tokenization: compile.py does that.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .answers import answer, response
+from .compile import CompiledRequest, Compiler
+from .positions import rope_index
+from .weights import LoadedModel, load_model
+
+MODES = ("per-branch", "shared-prefix")
+
+
+@dataclass
+class RunResult:
+    response: dict
+    compiled: CompiledRequest
+    logits: list[torch.Tensor]  # per question, fp32 [K] on the CPU
+    timings: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, compiler: Compiler, mode: str = "per-branch", temperature: float = 1.0):
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        self.model = model
+        self.compiler = compiler
+        self.mode = mode
+        self.temperature = temperature
+        self.model_id = model.manifest.data.get("model_id", "valen-preview-0923")
+
+    @classmethod
+    def load(
+        cls,
+        export_dir: str | Path,
+        device: str = "cpu",
+        dtype: str = "bf16",
+        verify: str = "size",
+        mode: str | None = None,
+        temperature: float = 1.0,
+    ) -> "Engine":
+        """Load an export. `mode` defaults to shared-prefix on CUDA and per-branch on the CPU."""
+        model = load_model(export_dir, device=device, dtype=dtype, verify=verify)
+        prompt = model.manifest.data["prompt"]
+        compiler = Compiler.from_dir(model.manifest.root, max_length=prompt["max_length"], media_kwargs=prompt.get("media_kwargs") or {})
+        if mode is None:
+            mode = "shared-prefix" if model.device.type == "cuda" else "per-branch"
+        return cls(model, compiler, mode=mode, temperature=temperature)
+
+    # ---- pieces -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def image_features(self, compiled: CompiledRequest) -> torch.Tensor | None:
+        st = compiled.state
+        if st.pixel_values is None:
+            return None
+        m = self.model
+        return m.vision(st.pixel_values.to(m.device), st.image_grid_thw.to(m.device))  # [n_image_tokens, H]
+
+    def _embed(self, ids: list[int], image_mask: torch.Tensor | None, features: torch.Tensor | None) -> torch.Tensor:
+        m = self.model
+        embeds = m.text.embed(torch.tensor([ids], device=m.device))  # [1, T, H]
+        if features is not None:
+            # HF's masked_scatter: image features replace the <|image_pad|> embeddings in order.
+            embeds[0, image_mask] = features.to(embeds.dtype)
+        return embeds
+
+    @torch.no_grad()
+    def question_logits(self, compiled: CompiledRequest) -> list[torch.Tensor]:
+        features = self.image_features(compiled)
+        if self.mode == "per-branch":
+            rows = self._per_branch(compiled, features)
+        else:
+            rows = self._shared_prefix(compiled, features)
+        out = []
+        for q, branch_rows in zip(compiled.questions, rows):
+            logits = torch.cat([self.model.head.logits(c, d) for c, d in branch_rows])  # [K] fp32
+            out.append(logits)
+        return out
+
+    def _state_image_mask(self, compiled: CompiledRequest, length: int) -> torch.Tensor:
+        types = torch.tensor(compiled.state.mm_token_type_ids + [0] * (length - len(compiled.state.mm_token_type_ids)))
+        return (types == 1).to(self.model.device)
+
+    def _per_branch(self, compiled: CompiledRequest, features) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        m, st = self.model, compiled.state
+        merge = m.config.vision_config.spatial_merge_size
+        rows = []
+        for q in compiled.questions:
+            q_rows = []
+            for br in q.branches:
+                ids = st.input_ids + br.suffix_ids
+                types = st.mm_token_type_ids + [0] * len(br.suffix_ids)
+                positions, _ = rope_index(ids, types, st.image_grid_thw, merge)  # [3, T]
+                embeds = self._embed(ids, self._state_image_mask(compiled, len(ids)) if features is not None else None, features)
+                hidden = m.text(embeds, positions[:, None, :].to(m.device))[0]  # [T, H]
+                q_rows.append((hidden[br.candidate_positions], hidden[br.decision_position]))
+            rows.append(q_rows)
+        return rows
+
+    def _shared_prefix(self, compiled: CompiledRequest, features) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        m, st = self.model, compiled.state
+        merge = m.config.vision_config.spatial_merge_size
+        prefix_len = len(st.input_ids)
+        positions, next_pos = rope_index(st.input_ids, st.mm_token_type_ids, st.image_grid_thw, merge)
+        embeds = self._embed(st.input_ids, self._state_image_mask(compiled, prefix_len) if features is not None else None, features)
+        cache = m.text.new_cache()
+        m.text(embeds, positions[:, None, :].to(m.device), cache=cache)
+
+        branches = [br for q in compiled.questions for br in q.branches]
+        longest = max(len(br.suffix_ids) for br in branches)
+        # Right padding is exact for the real tokens: every layer is causal, so a pad token
+        # never influences an earlier position.
+        pad_id = branches[0].suffix_ids[-1]
+        ids = torch.tensor([br.suffix_ids + [pad_id] * (longest - len(br.suffix_ids)) for br in branches], device=m.device)
+        suffix_pos = torch.arange(next_pos, next_pos + longest, device=m.device)
+        pos = suffix_pos.view(1, 1, -1).expand(3, len(branches), -1)  # suffix tokens are text: same on all axes
+        hidden = m.text(m.text.embed(ids), pos, cache=cache.expand(len(branches)))  # [N, L, H]
+
+        rows, k = [], 0
+        for q in compiled.questions:
+            q_rows = []
+            for br in q.branches:
+                rel_c = [p - prefix_len for p in br.candidate_positions]
+                q_rows.append((hidden[k, rel_c], hidden[k, br.decision_position - prefix_len]))
+                k += 1
+            rows.append(q_rows)
+        return rows
+
+    # ---- whole requests ---------------------------------------------------------------------
+
+    def run(self, request: dict) -> RunResult:
+        t0 = time.perf_counter()
+        compiled = self.compiler.compile(request)
+        t1 = time.perf_counter()
+        logits = self.question_logits(compiled)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        answers = {
+            q.qid: answer(q.kind, q.keys, q.descriptions, lg, self.temperature) for q, lg in zip(compiled.questions, logits)
+        }
+        resp = response(compiled, answers, model_id=self.model_id)
+        return RunResult(resp, compiled, [lg.cpu() for lg in logits], {"compile_s": t1 - t0, "model_s": t2 - t1})
+
+    def answer(self, request: dict) -> dict:
+        return self.run(request).response
