@@ -35,14 +35,36 @@ class RunResult:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, compiler: Compiler, mode: str = "per-branch", temperature: float = 1.0):
+    def __init__(
+        self,
+        model: LoadedModel,
+        compiler: Compiler,
+        mode: str = "per-branch",
+        temperature: float = 1.0,
+        kernels: str = "torch",
+        graphs: bool = False,
+    ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
+        if kernels not in ("torch", "fast"):
+            raise ValueError(f"kernels {kernels!r} is not torch or fast")
+        if graphs and (mode != "shared-prefix" or model.device.type != "cuda"):
+            raise ValueError("CUDA graphs need mode='shared-prefix' on a CUDA device")
         self.model = model
         self.compiler = compiler
         self.mode = mode
         self.temperature = temperature
         self.model_id = model.manifest.data.get("model_id", "valen-preview-0923")
+        self.kernels = {"gated_delta": "torch", "attention": "eager"}
+        if kernels == "fast":
+            from .fast import enable_fast_paths
+
+            self.kernels = enable_fast_paths(model.text)
+        self.graphs = None
+        if graphs:
+            from .fast import GraphCache
+
+            self.graphs = GraphCache()
 
     @classmethod
     def load(
@@ -53,14 +75,26 @@ class Engine:
         verify: str = "size",
         mode: str | None = None,
         temperature: float = 1.0,
+        kernels: str | None = None,
+        graphs: bool | None = None,
     ) -> "Engine":
-        """Load an export. `mode` defaults to shared-prefix on CUDA and per-branch on the CPU."""
+        """Load an export.
+
+        Defaults: on CUDA, shared-prefix mode with the fast kernels (flash-linear-attention when
+        importable, SDPA) and CUDA graphs; on the CPU, per-branch mode with the pure-PyTorch path.
+        Per-branch mode always runs the reference-faithful PyTorch path unless kernels="fast".
+        """
         model = load_model(export_dir, device=device, dtype=dtype, verify=verify)
         prompt = model.manifest.data["prompt"]
         compiler = Compiler.from_dir(model.manifest.root, max_length=prompt["max_length"], media_kwargs=prompt.get("media_kwargs") or {})
+        cuda = model.device.type == "cuda"
         if mode is None:
-            mode = "shared-prefix" if model.device.type == "cuda" else "per-branch"
-        return cls(model, compiler, mode=mode, temperature=temperature)
+            mode = "shared-prefix" if cuda else "per-branch"
+        if kernels is None:
+            kernels = "fast" if cuda and mode == "shared-prefix" else "torch"
+        if graphs is None:
+            graphs = cuda and mode == "shared-prefix"
+        return cls(model, compiler, mode=mode, temperature=temperature, kernels=kernels, graphs=graphs)
 
     # ---- pieces -------------------------------------------------------------------------
 
@@ -119,18 +153,25 @@ class Engine:
         prefix_len = len(st.input_ids)
         positions, next_pos = rope_index(st.input_ids, st.mm_token_type_ids, st.image_grid_thw, merge)
         embeds = self._embed(st.input_ids, self._state_image_mask(compiled, prefix_len) if features is not None else None, features)
-        cache = m.text.new_cache()
-        m.text(embeds, positions[:, None, :].to(m.device), cache=cache)
+        prefix_pos = positions[:, None, :].to(m.device)  # [3, 1, P]
 
         branches = [br for q in compiled.questions for br in q.branches]
-        longest = max(len(br.suffix_ids) for br in branches)
-        # Right padding is exact for the real tokens: every layer is causal, so a pad token
-        # never influences an earlier position.
+        # Right padding is exact for the real tokens: every layer is causal, so a pad token never
+        # influences an earlier position. Lengths round up to a multiple of 8 so graphs are reused.
+        longest = -(-max(len(br.suffix_ids) for br in branches) // 8) * 8
         pad_id = branches[0].suffix_ids[-1]
         ids = torch.tensor([br.suffix_ids + [pad_id] * (longest - len(br.suffix_ids)) for br in branches], device=m.device)
         suffix_pos = torch.arange(next_pos, next_pos + longest, device=m.device)
-        pos = suffix_pos.view(1, 1, -1).expand(3, len(branches), -1)  # suffix tokens are text: same on all axes
-        hidden = m.text(m.text.embed(ids), pos, cache=cache.expand(len(branches)))  # [N, L, H]
+        pos = suffix_pos.view(1, 1, -1).expand(3, len(branches), -1).contiguous()  # suffix tokens are text
+        suffix_embeds = m.text.embed(ids)  # [N, L, H]
+
+        if self.graphs is None:
+            state = self._prefix_state(embeds, prefix_pos)
+            hidden = self._suffix_hidden(suffix_embeds, pos, *state)
+        else:
+            state = self.graphs.run(("prefix", prefix_len), self._prefix_state, [embeds, prefix_pos])
+            key = ("suffix", prefix_len, len(branches), longest)
+            (hidden,) = self.graphs.run(key, lambda e, p, *s: (self._suffix_hidden(e, p, *s),), [suffix_embeds, pos, *state])
 
         rows, k = [], 0
         for q in compiled.questions:
@@ -141,6 +182,33 @@ class Engine:
                 k += 1
             rows.append(q_rows)
         return rows
+
+    # The two phases as pure tensor functions (capturable as CUDA graphs). The state is a flat
+    # tuple: per GDN layer (conv tail [1, C, K-1], recurrent state [1, Hv, Dk, Dv] fp32), per
+    # attention layer (keys, values [1, Hk, P, D]).
+    def _prefix_state(self, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cache = self.model.text.new_cache()
+        self.model.text(embeds, positions, cache=cache)
+        flat = []
+        for i, kind in enumerate(cache.layer_types):
+            if kind == "linear_attention":
+                flat += [cache.conv_states[i], cache.recurrent_states[i]]
+            else:
+                flat += [cache.keys[i], cache.values[i]]
+        return tuple(flat)
+
+    def _suffix_hidden(self, embeds: torch.Tensor, positions: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
+        text = self.model.text
+        cache = text.new_cache()
+        it = iter(state)
+        for i, kind in enumerate(cache.layer_types):
+            a, b = next(it), next(it)
+            if kind == "linear_attention":
+                cache.conv_states[i], cache.recurrent_states[i] = a, b
+            else:
+                cache.keys[i], cache.values[i] = a, b
+                cache.num_tokens = a.shape[2]
+        return text(embeds, positions, cache=cache.expand(embeds.shape[0]))  # [N, L, H]
 
     # ---- whole requests ---------------------------------------------------------------------
 
