@@ -1,0 +1,271 @@
+"""valen_runtime.image: bitwise against transformers 5.4.0's torchvision-backed Qwen2-VL processor."""
+
+import base64
+import dataclasses
+import io
+import json
+import os
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from valen_export.fixture_files import write_text_assets  # noqa: E402
+from valen_runtime.errors import ConfigError, RequestError  # noqa: E402
+from valen_runtime.image import (  # noqa: E402
+    ImageConfig,
+    ImageLimits,
+    decode_image,
+    preprocess,
+    smart_resize,
+    stack_images,
+)
+
+
+def write_config(directory, ids):
+    config = {
+        "model_type": "qwen3_5",
+        "image_token_id": ids["image_token_id"],
+        "video_token_id": ids["video_token_id"],
+        "vision_start_token_id": ids["vision_start_token_id"],
+        "vision_end_token_id": ids["vision_end_token_id"],
+        "text_config": {"model_type": "qwen3_5_text", "vocab_size": ids["vocab_size"]},
+        "vision_config": {"model_type": "qwen3_5"},
+    }
+    (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen35_img")
+    write_config(directory, write_text_assets(directory))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def processor(folder):
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(str(folder))
+    assert proc.image_processor.backend == "torchvision"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def config(folder):
+    return ImageConfig.from_file(folder / "preprocessor_config.json")
+
+
+def encode(image: Image.Image, fmt: str, **save) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **save)
+    return buffer.getvalue()
+
+
+def noise(width, height, mode="RGB", seed=0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    channels = {"RGB": 3, "RGBA": 4, "LA": 2, "L": 1}[mode]
+    array = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+    # Smooth structure plus noise, so resizing has something to blend.
+    ramp = (np.linspace(0, 255, width)[None, :, None] + np.linspace(0, 128, height)[:, None, None]) % 256
+    array = ((array.astype(np.float64) * 0.5 + ramp * 0.5) % 256).astype(np.uint8)
+    return Image.fromarray(array[..., 0] if channels == 1 else array, mode)
+
+
+def jpeg_with_orientation(width, height, orientation) -> bytes:
+    image = noise(width, height)
+    exif = image.getexif()
+    exif[0x0112] = orientation
+    return encode(image, "JPEG", exif=exif, quality=92)
+
+
+def reference(processor, data: bytes, fmt: str, processor_kwargs=None):
+    url = f"data:image/{fmt};base64," + base64.b64encode(data).decode("ascii")
+    messages = [{"role": "user", "content": [{"type": "image", "url": url}, {"type": "text", "text": "x"}]}]
+    return processor.apply_chat_template(
+        messages,
+        tokenize=True,
+        add_generation_prompt=False,
+        return_dict=True,
+        return_tensors="pt",
+        processor_kwargs=processor_kwargs or {},
+    )
+
+
+CASES = {
+    "png-rgb-64": lambda: (encode(noise(64, 64), "PNG"), "png"),
+    "png-rgba-odd": lambda: (encode(noise(97, 33, "RGBA"), "PNG"), "png"),
+    "png-la": lambda: (encode(noise(40, 50, "LA"), "PNG"), "png"),
+    "png-gray": lambda: (encode(noise(45, 61, "L"), "PNG"), "png"),
+    "png-palette": lambda: (encode(noise(70, 30).convert("P"), "PNG"), "png"),
+    "png-tiny-upscaled": lambda: (encode(noise(3, 5), "PNG"), "png"),
+    "png-1x1": lambda: (encode(noise(1, 1), "PNG"), "png"),
+    "png-odd-301x257": lambda: (encode(noise(301, 257), "PNG"), "png"),
+    "png-1024x768": lambda: (encode(noise(1024, 768), "PNG"), "png"),
+    "png-2048x512-limit": lambda: (encode(noise(2048, 512), "PNG"), "png"),
+    "png-thin-200x1": lambda: (encode(noise(200, 1), "PNG"), "png"),
+    "jpeg-plain": lambda: (encode(noise(123, 77), "JPEG", quality=85), "jpeg"),
+    "jpeg-exif-rot90": lambda: (jpeg_with_orientation(120, 70, 6), "jpeg"),
+    "jpeg-exif-rot180": lambda: (jpeg_with_orientation(90, 64, 3), "jpeg"),
+    "jpeg-exif-mirror-rot270": lambda: (jpeg_with_orientation(64, 150, 7), "jpeg"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pixels_bitwise_equal_to_transformers(processor, config, case):
+    data, fmt = CASES[case]()
+    expected = reference(processor, data, fmt)
+    processed = preprocess(decode_image(data, fmt, "state.image"), config)
+    pixel_values, grid = stack_images([processed])
+    assert grid.dtype == torch.int64 and pixel_values.dtype == torch.float32
+    assert torch.equal(grid, expected["image_grid_thw"])
+    assert pixel_values.shape == expected["pixel_values"].shape
+    assert torch.equal(pixel_values, expected["pixel_values"]), (pixel_values - expected["pixel_values"]).abs().max()
+
+
+def test_exif_rotation_is_applied(config):
+    processed = preprocess(decode_image(jpeg_with_orientation(120, 70, 6), "jpeg", "f"), config)
+    grid_t, grid_h, grid_w = processed.grid_thw
+    assert grid_t == 1 and grid_h > grid_w  # 120 wide, 70 high, rotated by 90 degrees
+
+
+def test_rgba_alpha_is_dropped_not_composited(config):
+    image = Image.new("RGBA", (64, 64), (200, 10, 30, 0))  # fully transparent
+    processed = preprocess(decode_image(encode(image, "PNG"), "png", "f"), config)
+    red = processed.pixel_values.view(-1, 3, 2, 16, 16)[:, 0]
+    assert torch.all(red == (200 - 127.5) / 127.5)
+
+
+@pytest.mark.parametrize(
+    "height, width",
+    [(1, 1), (3, 5), (16, 16), (31, 33), (64, 64), (100, 20000 // 100), (767, 1023), (2048, 512), (1, 200), (4000, 3000), (47, 1)],
+)
+def test_smart_resize_matches_transformers(config, height, width):
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_smart_resize
+
+    expected = hf_smart_resize(height, width, factor=32, min_pixels=config.min_pixels, max_pixels=config.max_pixels)
+    assert smart_resize(height, width, 32, config.min_pixels, config.max_pixels) == expected
+
+
+def test_pixel_bounds_come_from_preprocessor_config(folder, processor, tmp_path):
+    from transformers import AutoProcessor
+
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    for path in folder.iterdir():
+        (changed / path.name).write_bytes(path.read_bytes())
+    pre = json.loads((folder / "preprocessor_config.json").read_text())
+    pre["size"] = {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}
+    (changed / "preprocessor_config.json").write_text(json.dumps(pre))
+    ours = ImageConfig.from_file(changed / "preprocessor_config.json")
+    assert (ours.min_pixels, ours.max_pixels) == (1024, 16384)
+    data = encode(noise(300, 200), "PNG")
+    expected = reference(AutoProcessor.from_pretrained(str(changed)), data, "png")
+    pixel_values, grid = stack_images([preprocess(decode_image(data, "png", "f"), ours)])
+    assert torch.equal(grid, expected["image_grid_thw"]) and torch.equal(pixel_values, expected["pixel_values"])
+
+
+@pytest.mark.parametrize(
+    "media_kwargs",
+    [
+        {"min_pixels": 32 * 32, "max_pixels": 64 * 64 * 4},
+        {"max_pixels": 64 * 64},  # alone: ignored by 5.4.0
+        {"min_pixels": 512 * 512},  # alone: ignored by 5.4.0
+        {"size": {"shortest_edge": 1024, "longest_edge": 128 * 128}},
+        {"fps": 1, "return_metadata": True},
+    ],
+)
+def test_media_kwargs_follow_transformers(processor, folder, media_kwargs):
+    data = encode(noise(300, 200), "PNG")
+    expected = reference(processor, data, "png", processor_kwargs=dict(media_kwargs))
+    ours = ImageConfig.from_file(folder / "preprocessor_config.json", media_kwargs=media_kwargs)
+    pixel_values, grid = stack_images([preprocess(decode_image(data, "png", "f"), ours)])
+    assert torch.equal(grid, expected["image_grid_thw"])
+    assert torch.equal(pixel_values, expected["pixel_values"])
+
+
+def test_unknown_media_kwargs_are_refused(folder):
+    with pytest.raises(ConfigError, match="patch_size"):
+        ImageConfig.from_file(folder / "preprocessor_config.json", media_kwargs={"patch_size": 14})
+
+
+def test_unsupported_preprocessor_settings_are_refused(folder, tmp_path):
+    pre = json.loads((folder / "preprocessor_config.json").read_text())
+    for change, phrase in (({"resample": 2}, "resample"), ({"size": {"shortest_edge": 10}}, "longest_edge"), ({"patch_size": 0}, "patch_size")):
+        path = tmp_path / "pre.json"
+        path.write_text(json.dumps({**pre, **change}))
+        with pytest.raises(ConfigError, match=phrase):
+            ImageConfig.from_file(path)
+
+
+def test_patch_layout_is_merge_order(config):
+    # A 64x64 image has 4x4 patches of 16 px; merge windows are 2x2 patches, row-major.
+    array = np.zeros((64, 64, 3), dtype=np.uint8)
+    for row in range(4):
+        for col in range(4):
+            array[row * 16 : (row + 1) * 16, col * 16 : (col + 1) * 16] = row * 4 + col
+    processed = preprocess(Image.fromarray(array), dataclasses.replace(config, min_pixels=32 * 32))
+    first_pixel = processed.pixel_values[:, 0] * 127.5 + 127.5
+    expected_patch_ids = [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15]
+    assert first_pixel.round().int().tolist() == expected_patch_ids
+    assert processed.pixel_values.shape == (16, 3 * 2 * 16 * 16)
+    # Temporal duplicate: both frames identical.
+    frames = processed.pixel_values.view(16, 3, 2, 16 * 16)
+    assert torch.equal(frames[:, :, 0], frames[:, :, 1])
+
+
+# ------------------------------------------------------------------ decoding limits
+
+
+def png_with_header_size(width: int, height: int) -> bytes:
+    """A valid tiny PNG whose IHDR claims another size (a decompression-bomb header)."""
+    data = bytearray(encode(Image.new("RGB", (8, 8)), "PNG"))
+    ihdr = 8 + 8  # signature, then length + type of the IHDR chunk
+    data[ihdr : ihdr + 8] = struct.pack(">II", width, height)
+    crc = zlib.crc32(bytes(data[ihdr - 4 : ihdr + 13]))
+    data[ihdr + 13 : ihdr + 17] = struct.pack(">I", crc)
+    return bytes(data)
+
+
+def apng() -> bytes:
+    frames = [noise(16, 16, seed=s) for s in range(2)]
+    return encode(frames[0], "PNG", save_all=True, append_images=frames[1:])
+
+
+@pytest.mark.parametrize(
+    "data, fmt, phrase",
+    [
+        (lambda: png_with_header_size(100_000, 100_000), "png", "too large"),
+        (lambda: png_with_header_size(2049, 16), "png", "each side"),
+        (lambda: png_with_header_size(2048, 513), "png", "pixels"),
+        (lambda: png_with_header_size(201, 1), "png", "aspect"),
+        (lambda: encode(noise(2, 2), "PNG"), "jpeg", "not a decodable jpeg"),
+        (lambda: encode(noise(8, 8), "JPEG"), "png", "not a decodable png"),
+        (lambda: encode(noise(8, 8), "GIF"), "png", "not a decodable png"),
+        (lambda: b"not an image at all", "png", "not a decodable"),
+        (lambda: encode(noise(64, 64), "PNG")[:-40], "png", "corrupt or truncated"),
+        (lambda: apng(), "png", "animated"),
+        (lambda: b"\x89PNG\r\n\x1a\n" + b"\x00" * (4 * 1024 * 1024), "png", "bytes"),
+    ],
+    ids=["bomb-header", "side", "pixels", "aspect", "png-as-jpeg", "jpeg-as-png", "gif", "garbage", "truncated", "apng", "too-many-bytes"],
+)
+def test_decode_refusals(data, fmt, phrase):
+    payload = data()
+    started = time.perf_counter()
+    with pytest.raises(RequestError) as info:
+        decode_image(payload, fmt, "state.image")
+    assert info.value.field == "state.image"
+    assert phrase in str(info.value)
+    assert time.perf_counter() - started < 2.0  # refused from the header, never decoded
+
+
+def test_limits_are_configurable():
+    with pytest.raises(RequestError, match="each side"):
+        decode_image(encode(noise(40, 10), "PNG"), "png", "f", ImageLimits(max_side=32))
