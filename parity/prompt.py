@@ -1,0 +1,269 @@
+"""The reference's prompt builder, written from valen-format.md §8 (not from valen_runtime.compile).
+
+It runs inside the reference process and uses the pinned stack's own processor:
+`processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=False,
+return_dict=True, return_tensors="pt", processor_kwargs=dict(media_kwargs, return_metadata=True))`
+for the state, and `processor.tokenizer.encode(text, add_special_tokens=False)` once per suffix
+segment. The runtime's compiler is a separate implementation (its own Jinja rendering, tokenizer
+and image pipeline); the harness compares the two token for token.
+
+Wire request -> Valen record, as the System1-Omni worker does it (native-contract.md §9.2):
+- a string state is one user turn;
+- `{"image": data URL}` is decoded to a file (`input.png` / `input.jpg` in a request-scoped temp
+  directory) and becomes a user turn holding one `image_url` item pointing at that file;
+- `{"messages": [...]}` is copied; image items carrying data URLs (`image_url` with a string or
+  `{"url": ...}`, or `image`) are decoded to files the same way and become `image_url` items;
+- any other object or array is text, serialised with `json.dumps(ensure_ascii=False)`;
+- a null choice criterion defaults to its key.
+Valen's compiler then rewrites every `image_url` item to `{"type": "image", "path": <abs>}`, which
+the processor loads itself (PIL open, EXIF transpose, RGB) and preprocesses with its torchvision
+backend. Nothing here resizes or normalises pixels.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# valen/data/schema.py, byte for byte (valen-format.md §8.2).
+NOUL_CANDIDATES = (
+    ("true", "True / 是：满足问题中的条件。"),
+    ("false", "False / 否：不满足问题中的条件。"),
+)
+QUESTION_TYPES = ("choice", "noul", "score")
+_MIME = {"data:image/png;base64,": ".png", "data:image/jpeg;base64,": ".jpg"}
+
+
+class PromptError(ValueError):
+    """The reference compiler rejects the request (Valen raises ValueError in the same places)."""
+
+
+@dataclass
+class RefBranch:
+    suffix_ids: list[int]
+    candidate_positions: list[int]
+    decision_position: int
+
+
+@dataclass
+class RefQuestion:
+    qid: str
+    kind: str
+    keys: list[str]
+    descriptions: list[str]
+    branches: list[RefBranch]
+
+
+@dataclass
+class RefPrompt:
+    """What Valen's Compiler.compile returns, minus the model inputs kept in `base`."""
+
+    base: dict  # processor output: input_ids [1, B], attention_mask, mm_token_type_ids, pixel_values, image_grid_thw
+    questions: list[RefQuestion]
+    logical_tokens: int
+    compute_tokens: int
+    media: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        b = self.base
+        return {
+            "input_ids": b["input_ids"][0].tolist(),
+            "mm_token_type_ids": b["mm_token_type_ids"][0].tolist() if "mm_token_type_ids" in b else None,
+            "image_grid_thw": b["image_grid_thw"].tolist() if "image_grid_thw" in b else None,
+            "questions": [
+                {
+                    "qid": q.qid,
+                    "kind": q.kind,
+                    "keys": q.keys,
+                    "descriptions": q.descriptions,
+                    "branches": [
+                        {"suffix_ids": br.suffix_ids, "candidate_positions": br.candidate_positions, "decision_position": br.decision_position}
+                        for br in q.branches
+                    ],
+                }
+                for q in self.questions
+            ],
+            "logical_tokens": self.logical_tokens,
+            "compute_tokens": self.compute_tokens,
+            "media": self.media,
+        }
+
+
+# ---------------------------------------------------------------- wire request -> record
+
+
+def _write_data_url(url, media_dir: Path, stem: str) -> Path:
+    if not isinstance(url, str):
+        raise PromptError("image: expected a data:image/png;base64,... or data:image/jpeg;base64,... URL")
+    for prefix, suffix in _MIME.items():
+        if url.startswith(prefix):
+            data = base64.b64decode(url[len(prefix):], validate=True)
+            path = media_dir / f"{stem}{suffix}"
+            path.write_bytes(data)
+            return path.resolve()
+    raise PromptError("image: expected a data:image/png;base64,... or data:image/jpeg;base64,... URL")
+
+
+def wire_to_state(state, media_dir: Path):
+    """Wire `state` -> a Valen record state (str or {"messages": [...]}) with media files on disk."""
+    media_dir = Path(media_dir)
+    if isinstance(state, str):
+        return state
+    if isinstance(state, dict) and list(state) == ["image"]:
+        path = _write_data_url(state["image"], media_dir, "input")
+        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(path)}}]}]}
+    if isinstance(state, dict) and list(state) == ["messages"]:
+        messages = copy.deepcopy(state["messages"])
+        n = 0
+        for message in messages:
+            content = message.get("content")
+            if not isinstance(content, list):
+                continue
+            for i, item in enumerate(content):
+                kind = item.get("type") if isinstance(item, dict) else None
+                if kind in ("image_url", "image"):
+                    url = item.get(kind)
+                    if isinstance(url, dict):
+                        url = url.get("url")
+                    path = _write_data_url(url, media_dir, f"input-{n}")
+                    n += 1
+                    content[i] = {"type": "image_url", "image_url": {"url": str(path)}}
+        return {"messages": messages}
+    return json.dumps(state, ensure_ascii=False)
+
+
+def wire_candidates(question: dict) -> list[tuple[str, str]]:
+    """(key, description) pairs per valen-format.md §8.2."""
+    kind = question.get("type")
+    criteria = question.get("criteria")
+    if kind == "noul":
+        return list(NOUL_CANDIDATES)
+    if kind == "choice":
+        if not isinstance(criteria, dict) or not 1 <= len(criteria) <= 255:
+            raise PromptError("choice criteria must be an object with 1-255 entries")
+        return [(k, k if v is None else v) for k, v in criteria.items()]
+    if kind == "score":
+        if not isinstance(criteria, list) or not 2 <= len(criteria) <= 10:
+            raise PromptError("score criteria must be a list of 2-10 descriptions")
+        return [(str(i), d) for i, d in enumerate(criteria)]
+    raise PromptError(f"unsupported question type {kind!r}")
+
+
+# ---------------------------------------------------------------- Valen's compiler, from the spec
+
+
+class ReferencePromptBuilder:
+    def __init__(self, processor, max_length: int = 8192, media_kwargs: dict | None = None):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.max_length = max_length
+        self.media_kwargs = dict(media_kwargs or {})
+        self.special = list(self.tokenizer.all_special_tokens)
+
+    def _reject_special(self, text: str, where: str) -> None:
+        if any(t in text for t in self.special):
+            raise PromptError(f"reserved tokenizer control token in {where}")
+
+    def messages(self, state) -> tuple[list[dict], list[dict]]:
+        """§8.3: state -> chat messages with media rewritten to {"type": "image", "path": abs}."""
+        messages = [{"role": "user", "content": state}] if isinstance(state, str) else copy.deepcopy(state["messages"])
+        media = []
+        for message in messages:
+            if message.get("role") not in ("user", "assistant", "system"):
+                raise PromptError("unsupported state role")
+            if isinstance(message["content"], str):
+                message["content"] = [{"type": "text", "text": message["content"]}]
+            for item in message["content"]:
+                kind = item["type"]
+                if kind == "text":
+                    self._reject_special(item["text"], "state")
+                    continue
+                if kind not in ("image_url", "video_url"):
+                    raise PromptError(f"unsupported content type {kind!r}")
+                url = item[kind]["url"] if isinstance(item[kind], dict) else item[kind]
+                if "://" in url:
+                    raise PromptError("remote media are not accepted")
+                path = Path(url).resolve(strict=True)
+                media.append({"path": str(path), "type": kind})
+                item.clear()
+                item.update(type=kind[: -len("_url")], path=str(path))
+        return messages, media
+
+    def encode_segment(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def build(self, wire_request: dict, media_dir: Path) -> RefPrompt:
+        questions = wire_request["questions"]
+        if not isinstance(questions, dict) or not questions:
+            raise PromptError("questions must be a non-empty object")
+        parsed = []
+        for qid, q in questions.items():
+            kind = q.get("type")
+            instructions = q.get("instructions")
+            if kind not in QUESTION_TYPES:
+                raise PromptError(f"{qid}: unsupported question type {kind!r}")
+            if not isinstance(instructions, str) or not instructions.strip():
+                raise PromptError(f"{qid}: instructions must be non-empty text")
+            pairs = wire_candidates(q)
+            for key, desc in pairs:
+                if not isinstance(key, str) or not key or not isinstance(desc, str) or not desc.strip():
+                    raise PromptError(f"{qid}: every key and description must be non-empty text")
+            parsed.append((qid, kind, instructions, pairs))
+
+        state = wire_to_state(wire_request["state"], media_dir)
+        messages, media = self.messages(state)
+        base = dict(
+            self.processor.apply_chat_template(
+                messages,
+                tokenize=True,
+                add_generation_prompt=False,
+                return_dict=True,
+                return_tensors="pt",
+                processor_kwargs=dict(self.media_kwargs, return_metadata=True),
+            )
+        )
+        base.pop("video_metadata", None)
+        if "image_grid_thw" in base:
+            grid = base["image_grid_thw"]
+            media.append({"image_grid_thw": grid.tolist(), "visual_tokens": int(grid.prod(-1).sum()) // 4})
+        B = int(base["input_ids"].shape[1])
+        logical, compute = B, 0
+        out = []
+        for qid, kind, instructions, pairs in parsed:
+            for value in [instructions] + [v for pair in pairs for v in pair]:
+                self._reject_special(value, f"question {qid}")
+            groups = [[p] for p in pairs] if kind == "score" else [pairs]
+            branches = []
+            for group in groups:
+                suffix = self.encode_segment("<|im_start|>user\n")
+                suffix += self.encode_segment(f"Task: {kind}\nQuestion: {instructions}\nCandidates:\n")
+                positions = []
+                for key, desc in group:
+                    suffix += self.encode_segment(desc if kind == "score" else f"{key}: {desc}")
+                    positions.append(B + len(suffix) - 1)
+                    suffix += self.encode_segment("\n")
+                suffix += self.encode_segment("Decision:")
+                length = B + len(suffix)
+                if length > self.max_length:
+                    raise PromptError(f"{qid}: {length} tokens exceed max_length={self.max_length}; no truncation")
+                branches.append(RefBranch(suffix, positions, length - 1))
+                logical += len(suffix)
+                compute += length
+            out.append(RefQuestion(qid, kind, [k for k, _ in pairs], [d for _, d in pairs], branches))
+        return RefPrompt(base, out, logical, compute, media)
+
+    def branch_inputs(self, prompt: RefPrompt, branch: RefBranch) -> dict:
+        """§8.6: the model inputs of one branch (no position_ids)."""
+        import torch
+
+        base = prompt.base
+        suffix = torch.tensor([branch.suffix_ids], dtype=torch.long)
+        inputs = {k: v for k, v in base.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        inputs["input_ids"] = torch.cat([base["input_ids"], suffix], dim=1)
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        if "mm_token_type_ids" in base:
+            inputs["mm_token_type_ids"] = torch.cat([base["mm_token_type_ids"], torch.zeros_like(suffix)], dim=1)
+        return inputs

@@ -1,0 +1,128 @@
+"""Reference process: `python -m parity.reference_worker JOB.json`.
+
+Runs in its own interpreter so that nothing the runtime side imported (and no fast kernel) can
+leak into the reference. Order matters: the import blocker goes in before torch / transformers are
+imported, then TF32 matmul is switched off (PyTorch's default; cuDNN TF32 stays at PyTorch's
+default, as in the pinned environment: valen-format.md §12 row 7), then the model is built once
+and every request of the job runs against it.
+
+Job file (JSON): {"checkpoint": dir, "base": dir, "device": "cpu"|"cuda", "dtype": "bf16"|"fp32",
+"out": dir, "valen_source": dir|null, "requests": [{"id": str, "request": wire request}]}.
+Writes OUT/reference.json and one OUT/pixels-<n>.pt per image request (pixel_values, for the
+image-preprocessing comparison). Exit 0 when the model was built (per-request rejections are
+results), 3 when the reference itself could not be built (message on stderr, one line).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from parity.isolation import install_blocker
+
+install_blocker()
+
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def _model_kernels(model) -> dict:
+    """What the live layers run (proves the PyTorch fallback is in use)."""
+    fns, norms = set(), set()
+    for module in model.modules():
+        fn = getattr(module, "chunk_gated_delta_rule", None)
+        if fn is not None:
+            fns.add(getattr(fn, "__name__", repr(fn)))
+            norms.add(type(module.norm).__name__)
+    attn = {getattr(m.config, "_attn_implementation", None) for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}
+    return {"gated_delta_rule": sorted(fns), "gated_norm": sorted(norms), "attn_implementation": sorted(a for a in attn if a)}
+
+
+def run_job(job: dict) -> dict:
+    from parity import reference
+    from parity.prompt import PromptError, ReferencePromptBuilder
+
+    out = Path(job["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    device, dtype = job.get("device", "cpu"), job.get("dtype", "bf16")
+    t0 = time.perf_counter()
+    if job.get("valen_source"):
+        from parity import valen_source
+
+        adapter = valen_source.ValenSource(job["valen_source"])
+        model, config, processor, builder = adapter.build(job["checkpoint"], job["base"], device, dtype)
+        logits_fn = adapter.question_logits
+        origin = adapter.describe()
+    else:
+        model, config, processor = reference.build_reference(Path(job["checkpoint"]), Path(job["base"]), device, dtype)
+        builder = ReferencePromptBuilder(processor, max_length=config.get("max_length", 8192), media_kwargs=config.get("media_kwargs") or {})
+        logits_fn = reference.question_logits
+        origin = {"kind": "rebuilt", "what": "parity.reference (valen-format.md §7-§10, from checkpoint.pt + base)"}
+    build_s = time.perf_counter() - t0
+    env = reference.environment(device, dtype)
+    env["live_model"] = _model_kernels(model)
+    env["image_processor"] = f"{type(processor.image_processor).__module__}.{type(processor.image_processor).__name__}"
+    env["image_processor_backend"] = [c.__name__ for c in type(processor.image_processor).__mro__ if "Backend" in c.__name__]
+    env["tokenizer_class"] = type(processor.tokenizer).__name__
+    env["head_dtype"] = str(model.head.decision.weight.dtype)
+
+    results = []
+    for n, item in enumerate(job["requests"]):
+        rec = {"id": item["id"], "ok": False}
+        t1 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="valen-parity-media-") as media_dir:
+            try:
+                prompt = builder.build(item["request"], Path(media_dir))
+            except (PromptError, ValueError, KeyError, TypeError, OSError) as e:
+                rec["error"] = f"{type(e).__name__}: {e}"
+                results.append(rec)
+                continue
+            logits = logits_fn(model, builder, prompt, device)
+        rec["ok"] = True
+        rec["prompt"] = prompt.to_json()
+        # float(fp32) is exact in a Python float; JSON repr round-trips it exactly.
+        rec["logits"] = [[float(x) for x in lg.tolist()] for lg in logits]
+        if "pixel_values" in prompt.base:
+            name = f"pixels-{n}.pt"
+            torch.save(prompt.base["pixel_values"].contiguous(), out / name)
+            rec["pixel_values_file"] = name
+        rec["seconds"] = time.perf_counter() - t1
+        results.append(rec)
+    return {
+        "origin": origin,
+        "environment": env,
+        "checkpoint_sha256": reference.file_sha256(Path(job["checkpoint"]) / "checkpoint.pt"),
+        "checkpoint_config": {k: config.get(k) for k in ("stage", "lora_rank", "lora_alpha", "projection_dim", "max_length", "media_kwargs", "dtype")},
+        "build_seconds": build_s,
+        "results": results,
+    }
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m parity.reference_worker JOB.json", file=sys.stderr)
+        return 2
+    job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    try:
+        result = run_job(job)
+    except Exception as e:  # the reference could not be built: one line for the parent
+        detail = traceback.format_exc(limit=-3).strip().splitlines()
+        print(f"reference failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print("\n".join(detail), file=sys.stderr)
+        return 3
+    out = Path(job["out"]) / "reference.json"
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, ensure_ascii=False), encoding="utf-8")
+    tmp.rename(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
