@@ -1,0 +1,106 @@
+"""valen_runtime.positions.rope_index against transformers 5.4.0's Qwen3_5Model.get_rope_index."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from valen_runtime.positions import rope_index
+
+IMG = 12  # image token id in these tests (only mm_token_type_ids matters)
+
+
+def sequence(parts, merge=2):
+    """parts: ints (a run of text tokens) or (t, h, w) patch grids -> ids, types, grids."""
+    ids, types, grids = [], [], []
+    for part in parts:
+        if isinstance(part, int):
+            ids += [100 + i for i in range(part)]
+            types += [0] * part
+        else:
+            t, h, w = part
+            n = t * (h // merge) * (w // merge)
+            ids += [IMG] * n
+            types += [1] * n
+            grids.append(list(part))
+    grids_t = torch.tensor(grids, dtype=torch.long) if grids else None
+    return torch.tensor(ids), torch.tensor(types), grids_t
+
+
+CASES = {
+    "text only": [37],
+    "image at start": [(1, 4, 4), 9],
+    "image in the middle": [5, (1, 6, 10), 12],
+    "two images": [3, (1, 8, 4), 2, (1, 2, 14), 6],
+    "odd merged grids": [1, (1, 10, 6), 1, (1, 6, 6), 1, (1, 2, 2), 4],
+    "image at the end": [7, (1, 14, 2)],
+}
+
+
+def hf_rope_index(ids, types, grids, merge):
+    hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    # get_rope_index reads only config.vision_config.spatial_merge_size and get_vision_position_ids.
+    fake = SimpleNamespace(
+        config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=merge)),
+        get_vision_position_ids=lambda *a, **k: hf.Qwen3_5Model.get_vision_position_ids(None, *a, **k),
+    )
+    return hf.Qwen3_5Model.get_rope_index(fake, ids[None], types[None], image_grid_thw=grids)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_transformers_get_rope_index(name):
+    ids, types, grids = sequence(CASES[name])
+    ref_pos, ref_delta = hf_rope_index(ids, types, grids, merge=2)
+    pos, next_position = rope_index(ids, types, grids, spatial_merge_size=2)
+    assert pos.dtype == torch.int64 and pos.shape == (3, len(ids))
+    assert torch.equal(pos, ref_pos[:, 0])
+    assert next_position - len(ids) == int(ref_delta)
+
+
+def test_accepts_lists_and_merge_size_4():
+    ids, types, grids = sequence([2, (1, 8, 12), 3], merge=4)
+    ref_pos, _ = hf_rope_index(ids, types, grids, merge=4)
+    pos, _ = rope_index(ids.tolist(), types.tolist(), grids.tolist(), spatial_merge_size=4)
+    assert torch.equal(pos, ref_pos[:, 0])
+
+
+def test_worked_example_from_spec():
+    """qwen35.md §4.5: 4 text, a 28 x 28 patch grid (196 tokens), vision_end, 42 text -> last position 60."""
+    ids, types, grids = sequence([4, (1, 28, 28), 43])
+    pos, next_position = rope_index(ids, types, grids, spatial_merge_size=2)
+    assert len(ids) == 243 and next_position == 61 and next_position - len(ids) == -182
+    assert pos[:, 4].tolist() == [4, 4, 4] and pos[:, 199].tolist() == [4, 17, 17] and pos[:, 200].tolist() == [18] * 3
+
+
+def test_suffix_continues_from_start():
+    ids, types, grids = sequence([3, (1, 6, 10), 5, 20])
+    full, end = rope_index(ids, types, grids, 2)
+    cut = 3 + 15 + 5
+    prefix, start = rope_index(ids[:cut], types[:cut], grids, 2)
+    suffix, end2 = rope_index(ids[cut:], types[cut:], None, 2, start=start)
+    assert torch.equal(torch.cat([prefix, suffix], dim=1), full) and end2 == end
+
+
+def test_empty_sequence():
+    pos, nxt = rope_index([], [], None, 2, start=5)
+    assert pos.shape == (3, 0) and nxt == 5
+
+
+@pytest.mark.parametrize(
+    "types, grids, phrase",
+    [
+        ([0, 2, 2, 0], None, "video"),
+        ([0, 1, 1, 1, 0], [[1, 4, 4]], "gives 4"),
+        ([0, 1, 1, 1, 1], None, "no image_grid_thw row"),
+        ([0, 0], [[1, 4, 4]], "fewer image runs"),
+        ([0, 3], None, "expected 0 or 1"),
+    ],
+)
+def test_refusals(types, grids, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        rope_index(list(range(len(types))), types, grids, 2)
+
+
+def test_length_mismatch_is_refused():
+    with pytest.raises(ValueError, match="entries for"):
+        rope_index([1, 2, 3], [0, 0], None, 2)
