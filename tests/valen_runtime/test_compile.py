@@ -1,0 +1,634 @@
+"""valen_runtime.compile: state prefix vs transformers 5.4.0, suffix segments per valen-format §8.5,
+request validation (native-contract §9) and a property test that nothing but RequestError escapes."""
+
+import base64
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from valen_export.fixture_files import write_text_assets  # noqa: E402
+from valen_runtime.compile import (  # noqa: E402
+    MAX_BODY,
+    NOUL_CANDIDATES,
+    CompiledRequest,
+    Compiler,
+    parse_request_bytes,
+)
+from valen_runtime.errors import RequestError  # noqa: E402
+
+MODEL = "valen-preview-0923"
+NOUL_TRUE = "True / 是：满足问题中的条件。"
+NOUL_FALSE = "False / 否：不满足问题中的条件。"
+
+
+def write_config(directory, ids):
+    config = {
+        "model_type": "qwen3_5",
+        "image_token_id": ids["image_token_id"],
+        "video_token_id": ids["video_token_id"],
+        "vision_start_token_id": ids["vision_start_token_id"],
+        "vision_end_token_id": ids["vision_end_token_id"],
+        "text_config": {"model_type": "qwen3_5_text", "vocab_size": ids["vocab_size"]},
+        "vision_config": {"model_type": "qwen3_5"},
+    }
+    (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen35_compile")
+    write_config(directory, write_text_assets(directory))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def compiler(folder):
+    return Compiler.from_dir(folder)
+
+
+@pytest.fixture(scope="module")
+def processor(folder):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
+def hf_encode(processor):
+    def encode(text):
+        return processor.tokenizer.encode(text, add_special_tokens=False)
+
+    return encode
+
+
+def png(width, height, mode="RGB", seed=0) -> bytes:
+    rng = np.random.default_rng(seed)
+    channels = 4 if mode == "RGBA" else 3
+    image = Image.fromarray(rng.integers(0, 256, (height, width, channels), dtype=np.uint8), mode)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def jpeg_rotated(width, height) -> bytes:
+    rng = np.random.default_rng(3)
+    image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    exif = image.getexif()
+    exif[0x0112] = 8
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", exif=exif, quality=90)
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, fmt="png") -> str:
+    return f"data:image/{fmt};base64," + base64.b64encode(data).decode("ascii")
+
+
+def choice(criteria=None, instructions="Should we refund the customer?"):
+    return {"type": "choice", "instructions": instructions, "criteria": criteria or {"refund": "Refund now", "wait": None}}
+
+
+def request(state="The card was charged twice for one order.", questions=None):
+    return {"model": MODEL, "state": state, "questions": questions or {"q1": choice()}}
+
+
+def reference_state(processor, messages):
+    """What Valen's compiler gets from transformers for the state messages."""
+    return processor.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=False, return_dict=True, return_tensors="pt",
+        processor_kwargs={"return_metadata": True},
+    )
+
+
+def assert_state_equal(state, expected):
+    assert state.input_ids == expected["input_ids"][0].tolist()
+    assert state.mm_token_type_ids == expected["mm_token_type_ids"][0].tolist()
+    if "pixel_values" in expected:
+        assert state.pixel_values.dtype == torch.float32 and state.image_grid_thw.dtype == torch.int64
+        assert torch.equal(state.image_grid_thw, expected["image_grid_thw"])
+        assert torch.equal(state.pixel_values, expected["pixel_values"])  # bitwise
+    else:
+        assert state.pixel_values is None and state.image_grid_thw is None
+
+
+# ------------------------------------------------------------------ state vs transformers 5.4.0
+
+TEXT_STATES = [
+    "The card was charged twice for one order.",
+    "  leading and trailing whitespace is trimmed by the template \n\t",
+    "白色棋子在左上角。黑色呢？",
+    "हिन्दी में पाठ। क्या यह सही है? मैंने किताब पढ़ी।",
+    "ภาษาไทย น้ำ",
+    "emoji 😀 👍🏽 👨‍👩‍👧 and <think> tags",
+    "line one\nline two\r\n\ttabbed",
+]
+
+
+@pytest.mark.parametrize("text", TEXT_STATES)
+def test_text_state_matches_transformers(compiler, processor, text):
+    compiled = compiler.compile(request(state=text))
+    expected = reference_state(processor, [{"role": "user", "content": [{"type": "text", "text": text}]}])
+    assert_state_equal(compiled.state, expected)
+
+
+@pytest.mark.parametrize("value", [{"b": [1, 2.5, None, True], "a": "é 白", "nested": {"x": []}}, ["x", {"y": 1}], {}])
+def test_json_state_is_serialised_with_ensure_ascii_false(compiler, processor, value):
+    compiled = compiler.compile(request(state=value))
+    text = json.dumps(value, ensure_ascii=False)
+    expected = reference_state(processor, [{"role": "user", "content": [{"type": "text", "text": text}]}])
+    assert_state_equal(compiled.state, expected)
+
+
+IMAGE_CASES = {
+    "png-rgb": lambda: (png(64, 48), "png"),
+    "png-rgba": lambda: (png(97, 33, "RGBA"), "png"),
+    "jpeg-exif-rotated": lambda: (jpeg_rotated(150, 90), "jpeg"),
+    "png-1024x768": lambda: (png(1024, 768), "png"),
+    "png-tiny": lambda: (png(2, 3), "png"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMAGE_CASES))
+def test_image_state_matches_transformers(compiler, processor, case):
+    data, fmt = IMAGE_CASES[case]()
+    url = data_url(data, fmt)
+    compiled = compiler.compile(request(state={"image": url}))
+    expected = reference_state(processor, [{"role": "user", "content": [{"type": "image", "url": url}]}])
+    assert_state_equal(compiled.state, expected)
+    grid = compiled.state.image_grid_thw
+    assert sum(compiled.state.mm_token_type_ids) == int(grid.prod(-1).sum()) // 4
+
+
+def test_messages_with_two_images_match_transformers(compiler, processor):
+    first, second = data_url(png(70, 50, seed=1)), data_url(jpeg_rotated(40, 90), "jpeg")
+    state = {
+        "messages": [
+            {"role": "system", "content": "You judge boards."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": first}},
+                    {"type": "text", "text": " Which is white? "},
+                    {"type": "image", "image": second},
+                ],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "left"}]},
+            {"role": "user", "content": "and now?"},
+        ]
+    }
+    compiled = compiler.compile(request(state=state))
+    expected = reference_state(
+        processor,
+        [
+            {"role": "system", "content": [{"type": "text", "text": "You judge boards."}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "url": first},
+                    {"type": "text", "text": " Which is white? "},
+                    {"type": "image", "url": second},
+                ],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "left"}]},
+            {"role": "user", "content": [{"type": "text", "text": "and now?"}]},
+        ],
+    )
+    assert_state_equal(compiled.state, expected)
+    assert compiled.state.image_grid_thw.shape == (2, 3)
+
+
+# ------------------------------------------------------------------ suffix golden tests (§8.5)
+
+
+def expected_branch(hf_encode, base, kind, instructions, items):
+    """Segments of valen-format §8.5, each encoded on its own by transformers' tokenizer."""
+    suffix = hf_encode("<|im_start|>user\n")
+    suffix += hf_encode(f"Task: {kind}\nQuestion: {instructions}\nCandidates:\n")
+    positions = []
+    for text in items:
+        suffix += hf_encode(text)
+        positions.append(base + len(suffix) - 1)
+        suffix += hf_encode("\n")
+    suffix += hf_encode("Decision:")
+    return suffix, positions, base + len(suffix) - 1
+
+
+def test_choice_branch_segments_and_positions(compiler, hf_encode):
+    criteria = {"refund": "Refund the order?", "wait": None, "ask": "Ask for details:"}
+    compiled = compiler.compile(request(questions={"q1": choice(criteria, "Refund or wait?")}))
+    base = len(compiled.state.input_ids)
+    (question,) = compiled.questions
+    assert question.kind == "choice" and question.keys == ["refund", "wait", "ask"]
+    assert question.descriptions == ["Refund the order?", "wait", "Ask for details:"]  # null -> key
+    (branch,) = question.branches
+    suffix, positions, decision = expected_branch(
+        hf_encode, base, "choice", "Refund or wait?", ["refund: Refund the order?", "wait: wait", "ask: Ask for details:"]
+    )
+    assert branch.suffix_ids == suffix
+    assert branch.candidate_positions == positions
+    assert branch.decision_position == decision == base + len(branch.suffix_ids) - 1
+    assert branch.suffix_ids[:3] == hf_encode("<|im_start|>user\n") and len(hf_encode("<|im_start|>user\n")) == 3
+    # Segment boundaries matter: "?" + "\n" encoded together merge into one token here.
+    whole = hf_encode(
+        "<|im_start|>user\nTask: choice\nQuestion: Refund or wait?\nCandidates:\n"
+        "refund: Refund the order?\nwait: wait\nask: Ask for details:\nDecision:"
+    )
+    assert whole != branch.suffix_ids
+
+
+def test_noul_uses_fixed_bilingual_candidates(compiler, hf_encode):
+    assert NOUL_CANDIDATES == (("true", NOUL_TRUE), ("false", NOUL_FALSE))
+    for (_, text), digest, size, points in (
+        (NOUL_CANDIDATES[0], "6013d06fe04f22ce6913bd38a63e0b8f0a8e5f4b67b9bbe788633b5ebdad32dc", 40, 18),
+        (NOUL_CANDIDATES[1], "8682831f01e2c5676edeff84b87f29faee29b26872a9fc034082cdb9b8c9912c", 44, 20),
+    ):
+        assert hashlib.sha256(text.encode("utf-8")).hexdigest() == digest
+        assert len(text.encode("utf-8")) == size and len(text) == points
+    assert NOUL_TRUE.encode("utf-8").hex(" ").upper() == (
+        "54 72 75 65 20 2F 20 E6 98 AF EF BC 9A E6 BB A1 E8 B6 B3 E9 97 AE E9 A2 98 E4 B8 AD E7 9A 84 E6 9D A1 E4 BB B6 E3 80 82"
+    )
+    question = {"type": "noul", "instructions": "Is the light on?", "criteria": {"ignored": "anything"}}
+    compiled = compiler.compile(request(questions={"n": question}))
+    base = len(compiled.state.input_ids)
+    (q,) = compiled.questions
+    assert q.keys == ["true", "false"]
+    assert [d.encode("utf-8") for d in q.descriptions] == [NOUL_TRUE.encode("utf-8"), NOUL_FALSE.encode("utf-8")]
+    (branch,) = q.branches
+    suffix, positions, decision = expected_branch(
+        hf_encode, base, "noul", "Is the light on?", [f"true: {NOUL_TRUE}", f"false: {NOUL_FALSE}"]
+    )
+    assert (branch.suffix_ids, branch.candidate_positions, branch.decision_position) == (suffix, positions, decision)
+    # The candidate position is the last token of "。", not a merged "。\n".
+    ids = compiled.state.input_ids + branch.suffix_ids
+    assert ids[positions[0]] == hf_encode("。")[-1] and ids[positions[0] + 1] == hf_encode("\n")[0]
+
+
+def test_noul_criteria_may_be_absent(compiler):
+    compiled = compiler.compile(request(questions={"n": {"type": "noul", "instructions": "Lit?"}}))
+    assert compiled.questions[0].keys == ["true", "false"]
+
+
+def test_score_has_one_branch_per_grade_and_hides_grade_ids(compiler, hf_encode, processor):
+    levels = ["Not severe at all", "Somewhat severe", "Very severe?"]
+    question = {"type": "score", "instructions": "How severe is it?", "criteria": levels}
+    compiled = compiler.compile(request(questions={"s": question}))
+    base = len(compiled.state.input_ids)
+    (q,) = compiled.questions
+    assert q.kind == "score" and q.keys == ["0", "1", "2"] and q.descriptions == levels
+    assert len(q.branches) == 3
+    for grade, branch in enumerate(q.branches):
+        suffix, positions, decision = expected_branch(hf_encode, base, "score", "How severe is it?", [levels[grade]])
+        assert (branch.suffix_ids, branch.candidate_positions, branch.decision_position) == (suffix, positions, decision)
+        text = processor.tokenizer.decode(branch.suffix_ids)
+        assert levels[grade] in text
+        assert all(other not in text for i, other in enumerate(levels) if i != grade)
+        assert f"{grade}:" not in text and f"{grade}: " not in text
+    suffix_total = sum(len(b.suffix_ids) for b in q.branches)
+    assert compiled.logical_tokens == base + suffix_total
+    assert compiled.compute_tokens == 3 * base + suffix_total
+
+
+def test_unicode_questions_follow_segments(compiler, hf_encode):
+    criteria = {"白": "白色先走。", "काला": "काला मोहरा 👍🏽", "e\u0301": "combining accent"}
+    compiled = compiler.compile(request(state="棋盘", questions={"ü": choice(criteria, "हिन्दी में सवाल? 😀")}))
+    base = len(compiled.state.input_ids)
+    (branch,) = compiled.questions[0].branches
+    items = [f"{k}: {v}" for k, v in criteria.items()]
+    suffix, positions, decision = expected_branch(hf_encode, base, "choice", "हिन्दी में सवाल? 😀", items)
+    assert (branch.suffix_ids, branch.candidate_positions, branch.decision_position) == (suffix, positions, decision)
+
+
+def test_instructions_are_inserted_verbatim(compiler, hf_encode):
+    compiled = compiler.compile(request(questions={"q": choice(instructions="  spaced out  ")}))
+    (branch,) = compiled.questions[0].branches
+    segment = hf_encode("Task: choice\nQuestion:   spaced out  \nCandidates:\n")
+    assert branch.suffix_ids[3 : 3 + len(segment)] == segment
+
+
+def test_questions_keep_request_order_and_accounting(compiler):
+    questions = {
+        "zeta": choice(),
+        "alpha": {"type": "score", "instructions": "Rate", "criteria": ["low", "mid", "high"]},
+        "mid": {"type": "noul", "instructions": "Ok?"},
+    }
+    compiled = compiler.compile(request(questions=questions))
+    assert isinstance(compiled, CompiledRequest) and compiled.model == MODEL
+    assert [q.qid for q in compiled.questions] == ["zeta", "alpha", "mid"]
+    base = len(compiled.state.input_ids)
+    branches = [b for q in compiled.questions for b in q.branches]
+    assert len(branches) == 1 + 3 + 1
+    assert compiled.logical_tokens == base + sum(len(b.suffix_ids) for b in branches)
+    assert compiled.compute_tokens == sum(base + len(b.suffix_ids) for b in branches)
+
+
+def test_max_length_refusal_uses_reference_message(folder):
+    probe = Compiler.from_dir(folder).compile(request())
+    length = len(probe.state.input_ids) + len(probe.questions[0].branches[0].suffix_ids)
+    assert Compiler.from_dir(folder, max_length=length).compile(request()).questions  # exactly at the limit
+    with pytest.raises(RequestError) as info:
+        Compiler.from_dir(folder, max_length=length - 1).compile(request())
+    assert info.value.field == "questions.q1"
+    assert str(info.value).endswith(f"q1: {length} tokens exceed max_length={length - 1}; no truncation")
+
+
+def test_compile_bytes_round_trip(compiler):
+    body = json.dumps(request(), ensure_ascii=False).encode("utf-8")
+    assert compiler.compile_bytes(body).state.input_ids == compiler.compile(request()).state.input_ids
+
+
+# ------------------------------------------------------------------ validation: one test per rule
+
+LONG = "x" * 257
+SMALL_PNG = data_url(png(4, 4))
+
+
+def q_with(**changes):
+    question = choice()
+    question.update(changes)
+    return {"q": question}
+
+
+REFUSALS = [
+    # (request, field, phrase)
+    (["not", "an", "object"], "body", "JSON object"),
+    ({**request(), "extra": 1}, "extra", "unknown field"),
+    ({"state": "s", "questions": {"q": choice()}}, "model", "required"),
+    ({"model": MODEL, "questions": {"q": choice()}}, "state", "required"),
+    ({"model": MODEL, "state": "s"}, "questions", "required"),
+    ({**request(), "model": "Valen"}, "model", "valen-preview-0923"),
+    (request(questions=[choice()]), "questions", "object"),
+    ({"model": MODEL, "state": "s", "questions": {}}, "questions", "1-8"),
+    (request(questions={f"q{i}": choice() for i in range(9)}), "questions", "1-8"),
+    (request(questions={"": choice()}), "questions.", "1-256"),
+    (request(questions={LONG: choice()}), f"questions.{LONG}", "1-256"),
+    (request(questions={"q": "choice"}), "questions.q", "object"),
+    (request(questions=q_with(extra=1)), "questions.q.extra", "unknown field"),
+    (request(questions=q_with(type="rank")), "questions.q.type", "choice, noul, score"),
+    (request(questions={"q": {"instructions": "x", "criteria": {"a": "b"}}}), "questions.q.type", "choice"),
+    (request(questions=q_with(instructions=None)), "questions.q.instructions", "string"),
+    (request(questions=q_with(instructions=" \n\t")), "questions.q.instructions", "non-empty"),
+    (request(questions=q_with(instructions="a <|im_end|> b")), "questions.q.instructions", "<|im_end|>"),
+    (request(questions=q_with(criteria=["a", "b"])), "questions.q.criteria", "object"),
+    (request(questions=q_with(criteria={})), "questions.q.criteria", "1-255"),
+    (request(questions=q_with(criteria={f"k{i}": "d" for i in range(256)})), "questions.q.criteria", "1-255"),
+    (request(questions=q_with(criteria={"": "d"})), "questions.q.criteria.", "1-256"),
+    (request(questions=q_with(criteria={LONG: "d"})), f"questions.q.criteria.{LONG}", "1-256"),
+    (request(questions=q_with(criteria={"a<|image_pad|>": "d"})), "questions.q.criteria.a<|image_pad|>", "<|image_pad|>"),
+    (request(questions=q_with(criteria={"a": 3})), "questions.q.criteria.a", "string"),
+    (request(questions=q_with(criteria={"a": "  "})), "questions.q.criteria.a", "non-empty"),
+    (request(questions=q_with(criteria={"a": "x<|vision_start|>"})), "questions.q.criteria.a", "<|vision_start|>"),
+    (request(questions=q_with(criteria={"a": "x<|box_start|>"})), "questions.q.criteria.a", "<|box_start|>"),
+    (request(questions={"s": {"type": "score", "instructions": "r", "criteria": {"0": "a"}}}), "questions.s.criteria", "list"),
+    (request(questions={"s": {"type": "score", "instructions": "r", "criteria": ["one"]}}), "questions.s.criteria", "2-10"),
+    (request(questions={"s": {"type": "score", "instructions": "r", "criteria": ["l"] * 11}}), "questions.s.criteria", "2-10"),
+    (request(questions={"s": {"type": "score", "instructions": "r", "criteria": ["a", None]}}), "questions.s.criteria[1]", "string"),
+    (request(questions={"s": {"type": "score", "instructions": "r", "criteria": ["a", " "]}}), "questions.s.criteria[1]", "non-empty"),
+    (request(questions={"s": {"type": "score", "instructions": "r", "criteria": ["a", "<|video_pad|>"]}}), "questions.s.criteria[1]", "<|video_pad|>"),
+    (request(questions={"a": choice(instructions="i" * 10000), "b": choice(instructions="i" * 6400)}), "questions", "16384"),
+    (request(questions={"\ud800": choice()}), "questions.\ud800", "surrogate"),
+    (request(questions=q_with(instructions="bad \udfff")), "questions.q.instructions", "surrogate"),
+    (request(state=""), "state", "empty"),
+    (request(state=" \n\t "), "state", "empty"),
+    (request(state=12), "state", "must be text"),
+    (request(state=True), "state", "must be text"),
+    (request(state=None), "state", "must be text"),
+    (request(state="hi <|im_start|>"), "state", "<|im_start|>"),
+    (request(state="lone \ud83d surrogate"), "state", "surrogate"),
+    (request(state={"k": ["<|endoftext|>"]}), "state", "<|endoftext|>"),
+    (request(state={"k": float("nan")}), "state", "JSON"),
+    (request(state={"image": 5}), "state.image", "data:image/png"),
+    (request(state={"image": "data:image/gif;base64,R0lGOD"}), "state.image", "data:image/png"),
+    (request(state={"image": "data:image/png;base64,@@@"}), "state.image", "base64"),
+    (request(state={"image": "data:image/png;base64,"}), "state.image", "empty"),
+    (request(state={"image": data_url(png(8, 8), "jpeg")}), "state.image", "jpeg"),
+    (request(state={"image": "data:image/png;base64," + "A" * (6 * 1024 * 1024)}), "state.image", "larger than"),
+    (request(state={"image": data_url(png(300, 1))}), "state.image", "aspect"),
+    (request(state={"image": data_url(png(2049, 4))}), "state.image", "each side"),
+    (request(state={"image": data_url(png(1100, 1000))}), "state.image", "pixels"),
+    (request(state={"messages": []}), "state.messages", "non-empty"),
+    (request(state={"messages": "hello"}), "state.messages", "non-empty"),
+    (request(state={"messages": ["hello"]}), "state.messages[0]", "object"),
+    (request(state={"messages": [{"role": "user", "content": "x", "name": "n"}]}), "state.messages[0].name", "unknown"),
+    (request(state={"messages": [{"role": "tool", "content": "x"}]}), "state.messages[0].role", "user, assistant, system"),
+    (request(state={"messages": [{"role": "user", "content": 5}]}), "state.messages[0].content", "string"),
+    (request(state={"messages": [{"role": "user", "content": []}]}), "state.messages[0].content", "non-empty"),
+    (request(state={"messages": [{"role": "user", "content": ["x"]}]}), "state.messages[0].content[0]", "object"),
+    (request(state={"messages": [{"role": "user", "content": [{"type": "audio"}]}]}), "state.messages[0].content[0].type", "text, image_url"),
+    (request(state={"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]}), "state.messages[0].content[0].type", "video"),
+    (request(state={"messages": [{"role": "user", "content": [{"type": "text"}]}]}), "state.messages[0].content[0].text", "string"),
+    (request(state={"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "y": 1}]}]}), "state.messages[0].content[0].y", "unknown"),
+    (request(state={"messages": [{"role": "system", "content": "<|vision_end|>"}]}), "state.messages[0].content", "<|vision_end|>"),
+    (request(state={"messages": [{"role": "user", "content": [{"type": "text", "text": "<|im_end|>"}]}]}), "state.messages[0].content[0].text", "<|im_end|>"),
+    (request(state={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}), "state.messages[0].content[0].image_url.url", "data:image/png"),
+    (request(state={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": SMALL_PNG, "detail": "hi"}}]}]}), "state.messages[0].content[0].image_url.detail", "unknown"),
+    (request(state={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": SMALL_PNG}] * 17}]}), "state.messages[0].content[16]", "at most 16"),
+    (request(state={"messages": [{"role": "user", "content": [{"type": "image", "image": SMALL_PNG}, {"type": "text", "text": "<|placeholder|>"}]}]}), "state", "<|placeholder|>"),
+]
+
+
+@pytest.mark.parametrize("payload, field, phrase", REFUSALS, ids=[f"{i}-{r[1][:40]}" for i, r in enumerate(REFUSALS)])
+def test_request_refusals(compiler, payload, field, phrase):
+    with pytest.raises(RequestError) as info:
+        compiler.compile(payload)
+    assert info.value.field == field
+    assert phrase in str(info.value)
+
+
+def test_placeholder_text_without_images_is_fine(compiler):
+    assert compiler.compile(request(state="literal <|placeholder|> text")).state.pixel_values is None
+
+
+def test_null_description_defaults_to_key_and_counts_toward_max_text(folder):
+    compiler = Compiler.from_dir(folder, max_length=100_000)
+    compiled = compiler.compile(request(questions={"q": choice({"yes": None})}))
+    assert compiled.questions[0].descriptions == ["yes"]
+    questions = {"q": choice({"k" * 256: None}, instructions="i" * (16384 - 256))}
+    compiler.compile(request(questions=questions))  # exactly at the limit
+    questions["q"]["instructions"] += "i"
+    with pytest.raises(RequestError, match="16384"):
+        compiler.compile(request(questions=questions))
+
+
+BODY_REFUSALS = [
+    (b"\xff\xfe{}", "UTF-8"),
+    (b'{"a": 1, "a": 2}', "duplicate key"),
+    (b'{"model": "m", "state": {"x": 1, "x": 2}, "questions": {}}', "duplicate key"),
+    (b'{"a": NaN}', "NaN"),
+    (b'{"a": Infinity}', "Infinity"),
+    (b'{"a": -Infinity}', "-Infinity"),
+    (b'{"a": 1e999}', "out of range"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"a": ', "invalid JSON"),
+    (b"\xef\xbb\xbf{}", "invalid JSON"),
+    (b'{"a": ' + b"1" * 5000 + b"}", "invalid JSON"),
+    (b"[" * 100000 + b"]" * 100000, "JSON"),
+    (b" " * (MAX_BODY + 1), "limit"),
+]
+
+
+@pytest.mark.parametrize("body, phrase", BODY_REFUSALS, ids=[f"body-{i}" for i in range(len(BODY_REFUSALS))])
+def test_parse_request_bytes_refusals(body, phrase):
+    with pytest.raises(RequestError) as info:
+        parse_request_bytes(body)
+    assert info.value.field == "body"
+    assert phrase in str(info.value)
+
+
+def test_parse_request_bytes_accepts_exactly_max_body():
+    body = json.dumps(request()).encode()
+    body += b" " * (MAX_BODY - len(body))
+    assert parse_request_bytes(body)["model"] == MODEL
+
+
+# ------------------------------------------------------------------ property test
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|endoftext|>", "<|placeholder|>", "<think>"]
+odd_text = st.one_of(
+    st.text(max_size=30),
+    st.sampled_from(["", " ", "\n", "\ud800", "x\udfffy", "é", "\x00", "白色", "हिन्दी", "👍🏽", *SPECIALS]),
+    st.builds(lambda a, b: a + b, st.text(max_size=8), st.sampled_from(SPECIALS)),
+)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True, allow_infinity=True) | odd_text,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(odd_text, children, max_size=4),
+    max_leaves=12,
+)
+image_urls = st.sampled_from([SMALL_PNG, data_url(png(3, 2, "RGBA")), "data:image/png;base64,xx", data_url(png(4, 4), "jpeg"), 7])
+items = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": odd_text}),
+    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries({"url": image_urls})}),
+    st.fixed_dictionaries({"type": st.just("image"), "image": image_urls}),
+    st.dictionaries(odd_text, json_values, max_size=3),
+)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "system", "tool"]), "content": st.one_of(odd_text, st.lists(items, max_size=3))}
+    ),
+    max_size=3,
+)
+states = st.one_of(
+    odd_text,
+    json_values,
+    st.fixed_dictionaries({"image": image_urls}),
+    st.fixed_dictionaries({"messages": messages}),
+)
+criteria = st.one_of(
+    st.dictionaries(odd_text, st.one_of(st.none(), odd_text), max_size=4),
+    st.lists(odd_text, max_size=11),
+    json_values,
+)
+plain_text = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=20).filter(str.strip)
+names = st.text(min_size=1, max_size=12)
+valid_questions = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "type": st.just("choice"),
+            "instructions": plain_text,
+            "criteria": st.dictionaries(names, st.one_of(st.none(), plain_text), min_size=1, max_size=4),
+        }
+    ),
+    st.fixed_dictionaries({"type": st.just("noul"), "instructions": plain_text}),
+    st.fixed_dictionaries(
+        {"type": st.just("score"), "instructions": plain_text, "criteria": st.lists(plain_text, min_size=2, max_size=4)}
+    ),
+)
+random_questions = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["choice", "noul", "score", "rank"]), "instructions": odd_text},
+        optional={"criteria": criteria},
+    ),
+    json_values,
+)
+questions = st.one_of(
+    st.dictionaries(names, valid_questions, min_size=1, max_size=3),
+    st.dictionaries(odd_text, st.one_of(valid_questions, random_questions), max_size=3),
+    json_values,
+)
+valid_items = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": plain_text}),
+    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries({"url": st.just(SMALL_PNG)})}),
+)
+valid_states = st.one_of(
+    plain_text,
+    st.dictionaries(plain_text, st.one_of(st.integers(), plain_text), max_size=3),
+    st.just({"image": SMALL_PNG}),
+    st.fixed_dictionaries(
+        {
+            "messages": st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "role": st.sampled_from(["user", "assistant", "system"]),
+                        "content": st.one_of(plain_text, st.lists(valid_items, min_size=1, max_size=3)),
+                    }
+                ),
+                min_size=1,
+                max_size=3,
+            )
+        }
+    ),
+)
+requests_ = st.one_of(
+    st.fixed_dictionaries({"model": st.just(MODEL), "state": valid_states, "questions": questions}),
+    st.fixed_dictionaries({"model": st.just(MODEL), "state": st.one_of(valid_states, states), "questions": questions}),
+    st.fixed_dictionaries({"model": st.sampled_from([MODEL, "other"]), "state": states, "questions": questions}),
+    json_values,
+)
+
+
+@settings(max_examples=int(os.environ.get("VALEN_HYPOTHESIS_EXAMPLES", "50")), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(payload=requests_, as_bytes=st.booleans())
+def test_random_requests_compile_or_raise_request_error(folder, payload, as_bytes):
+    compiler = _property_compiler(folder)
+    try:
+        if as_bytes:
+            compiled = compiler.compile_bytes(json.dumps(payload, ensure_ascii=True).encode("utf-8"))
+        else:
+            compiled = compiler.compile(payload)
+    except RequestError as exc:
+        assert isinstance(exc.field, str)
+        event(f"refused at {ascii(exc.field.split('.')[0])[:24]}")
+        return
+    event("compiled")
+    base = len(compiled.state.input_ids)
+    assert len(compiled.state.mm_token_type_ids) == base
+    for question in compiled.questions:
+        for branch in question.branches:
+            length = base + len(branch.suffix_ids)
+            assert length <= compiler.max_length
+            assert branch.decision_position == length - 1
+            assert all(base <= p < branch.decision_position for p in branch.candidate_positions)
+    assert compiled.compute_tokens >= compiled.logical_tokens >= base
+
+
+_PROPERTY_COMPILERS = {}
+
+
+def _property_compiler(folder):
+    # A small max_length so the refusal path is exercised too.
+    if folder not in _PROPERTY_COMPILERS:
+        _PROPERTY_COMPILERS[folder] = Compiler.from_dir(folder, max_length=400)
+    return _PROPERTY_COMPILERS[folder]
+
+
+def test_runtime_modules_do_not_import_transformers_or_peft():
+    code = (
+        "import sys\n"
+        "import valen_runtime.tokenizer, valen_runtime.image, valen_runtime.compile, valen_runtime.answers\n"
+        "bad = sorted(m for m in ('transformers', 'peft', 'torchvision') if m in sys.modules)\n"
+        "assert not bad, bad\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,481 @@
+"""Wire request -> token ids, pixels and readout positions (valen-format.md §8).
+
+`Compiler.compile(request)` validates a /v1/systemone request (native-contract.md §9), builds the
+shared state prefix the way transformers 5.4.0's `apply_chat_template(..., tokenize=True)` does,
+and appends each branch's suffix segment by segment, recording candidate and decision positions.
+Nothing here runs a model; every expected failure is a RequestError naming the JSON path.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import torch
+
+from .errors import ConfigError, RequestError
+from .image import ImageConfig, ImageLimits, decode_image, preprocess, stack_images
+from .tokenizer import Tokenizer
+
+MODEL_NAME = "valen-preview-0923"
+MAX_BODY = 8 * 1024 * 1024
+MAX_QUESTIONS = 8
+MAX_OPTIONS = 255
+MAX_TEXT = 16384  # characters over all instructions and descriptions of a request
+MAX_NAME = 256  # question names and option keys: 1..256 characters
+MAX_SCORE_LEVELS = 10
+MIN_SCORE_LEVELS = 2
+# Local limit (not in the worker contract): images in one messages state. Each image costs at
+# least min_pixels / (patch * merge)^2 tokens, so max_length bounds the count anyway; this stops a
+# body of many tiny, highly compressed images from being decoded before that check.
+MAX_IMAGES = 16
+DEFAULT_MAX_LENGTH = 8192
+
+QUESTION_TYPES = ("choice", "noul", "score")
+# Fixed noul candidates, byte for byte as in Valen's schema.py (valen-format.md §8.2).
+NOUL_CANDIDATES = (
+    ("true", "True / \u662f\uff1a\u6ee1\u8db3\u95ee\u9898\u4e2d\u7684\u6761\u4ef6\u3002"),
+    ("false", "False / \u5426\uff1a\u4e0d\u6ee1\u8db3\u95ee\u9898\u4e2d\u7684\u6761\u4ef6\u3002"),
+)
+_DATA_URL_PREFIXES = {"data:image/png;base64,": "png", "data:image/jpeg;base64,": "jpeg"}
+_ROLES = ("user", "assistant", "system")
+
+
+@dataclass
+class StateInputs:
+    """The shared prefix (length B): what the processor returns for the state messages."""
+
+    input_ids: list[int]
+    mm_token_type_ids: list[int]  # 1 on image placeholder tokens, else 0
+    pixel_values: torch.Tensor | None  # [N, C * tp * p * p] fp32
+    image_grid_thw: torch.Tensor | None  # [n_images, 3] int64
+
+
+@dataclass
+class Branch:
+    """One forward pass: state + suffix. Positions are absolute in the concatenation."""
+
+    suffix_ids: list[int]
+    candidate_positions: list[int]
+    decision_position: int
+
+
+@dataclass
+class Question:
+    qid: str
+    kind: str  # choice | noul | score
+    keys: list[str]
+    descriptions: list[str]
+    branches: list[Branch]
+
+
+@dataclass
+class CompiledRequest:
+    model: str
+    state: StateInputs
+    questions: list[Question]
+    logical_tokens: int  # B + sum of suffix lengths (state counted once)
+    compute_tokens: int  # sum over branches of B + suffix length
+
+
+@dataclass
+class _Candidate:
+    key: str
+    description: str
+
+
+@dataclass
+class _ParsedQuestion:
+    qid: str
+    kind: str
+    instructions: str
+    candidates: list[_Candidate]
+
+
+@dataclass
+class _ImageItem:
+    data: bytes
+    mime_format: str
+    field: str
+
+
+def parse_request_bytes(data: bytes) -> dict:
+    """Parse a request body: UTF-8 JSON object, no duplicate keys, no NaN / Infinity, <= 8 MiB."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise RequestError("body", "expected bytes")
+    data = bytes(data)
+    if len(data) > MAX_BODY:
+        raise RequestError("body", f"body is {len(data)} bytes; the limit is {MAX_BODY}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError("body", f"invalid UTF-8 at byte {exc.start}") from exc
+
+    def no_duplicates(pairs):
+        result = {}
+        for key, value in pairs:
+            if key in result:
+                raise RequestError("body", f"duplicate key {key!r}")
+            result[key] = value
+        return result
+
+    def no_constant(name):
+        raise RequestError("body", f"{name} is not valid JSON")
+
+    def finite_float(literal):
+        value = float(literal)
+        if not math.isfinite(value):
+            raise RequestError("body", f"number {literal} is out of range")
+        return value
+
+    try:
+        value = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant, parse_float=finite_float)
+    except RequestError:
+        raise
+    except RecursionError as exc:
+        raise RequestError("body", "JSON nested too deeply") from exc
+    except ValueError as exc:  # JSONDecodeError, oversized integer literals
+        raise RequestError("body", f"invalid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise RequestError("body", "the request must be a JSON object")
+    return value
+
+
+class Compiler:
+    """Builds CompiledRequest objects for one exported model folder."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        image_config: ImageConfig,
+        max_length: int = DEFAULT_MAX_LENGTH,
+        media_kwargs: dict | None = None,
+        image_limits: ImageLimits = ImageLimits(),
+    ):
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
+            raise ConfigError(f"max_length must be a positive integer, got {max_length!r}")
+        self.tokenizer = tokenizer
+        self.image_config = image_config.with_media_kwargs(media_kwargs or {})
+        self.max_length = max_length
+        self.media_kwargs = dict(media_kwargs or {})
+        self.image_limits = image_limits
+        self.image_token = tokenizer.special_tokens_map.get("image_token", "<|image_pad|>")
+        self.image_token_id = tokenizer.token_id(self.image_token)
+        self.video_token = tokenizer.special_tokens_map.get("video_token", "<|video_pad|>")
+        self.video_token_id = tokenizer.token_id(self.video_token)
+
+    @classmethod
+    def from_dir(cls, export_dir: Path, max_length: int = DEFAULT_MAX_LENGTH, media_kwargs: dict | None = None) -> "Compiler":
+        """Read tokenizer.json, tokenizer_config.json, chat_template.jinja, preprocessor_config.json."""
+        export_dir = Path(export_dir)
+        tokenizer = Tokenizer.from_dir(export_dir)
+        image_config = ImageConfig.from_file(export_dir / "preprocessor_config.json")
+        return cls(tokenizer, image_config, max_length=max_length, media_kwargs=media_kwargs)
+
+    # ---------------------------------------------------------------- public entry points
+
+    def compile_bytes(self, data: bytes) -> CompiledRequest:
+        return self.compile(parse_request_bytes(data))
+
+    def compile(self, request: dict) -> CompiledRequest:
+        """Validate a parsed request and compile it; raises RequestError on any bad input."""
+        if not isinstance(request, dict):
+            raise RequestError("body", "the request must be a JSON object")
+        for key in request:
+            if key not in ("model", "state", "questions"):
+                raise RequestError(str(key), "unknown field; a request has exactly model, state, questions")
+        for key in ("model", "state", "questions"):
+            if key not in request:
+                raise RequestError(key, "required")
+        if request["model"] != MODEL_NAME:
+            raise RequestError("model", f"must be {MODEL_NAME!r}")
+        questions = self._parse_questions(request["questions"])
+        messages, images = self._parse_state(request["state"])
+        state = self._encode_state(messages, images)
+        compiled = [self._compile_question(q, len(state.input_ids)) for q in questions]
+        base = len(state.input_ids)
+        suffix_total = sum(len(b.suffix_ids) for q in compiled for b in q.branches)
+        branch_count = sum(len(q.branches) for q in compiled)
+        return CompiledRequest(
+            model=MODEL_NAME,
+            state=state,
+            questions=compiled,
+            logical_tokens=base + suffix_total,
+            compute_tokens=branch_count * base + suffix_total,
+        )
+
+    # ---------------------------------------------------------------- validation
+
+    def _check_text(self, value, field: str, *, what: str = "text") -> str:
+        if not isinstance(value, str):
+            raise RequestError(field, f"{what} must be a string")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(field, "contains an unpaired surrogate; not valid Unicode text") from exc
+        for token in self.tokenizer.reserved_strings:
+            if token in value:
+                raise RequestError(field, f"contains the reserved control token {token}")
+        return value
+
+    def _check_name(self, value, field: str, what: str) -> str:
+        if not isinstance(value, str):
+            raise RequestError(field, f"{what} must be a string")
+        if not 1 <= len(value) <= MAX_NAME:
+            raise RequestError(field, f"{what} must be 1-{MAX_NAME} characters, got {len(value)}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise RequestError(field, "contains an unpaired surrogate; not valid Unicode text") from exc
+        return value
+
+    def _parse_questions(self, questions) -> list[_ParsedQuestion]:
+        if not isinstance(questions, dict):
+            raise RequestError("questions", "must be an object {name: question}")
+        if not 1 <= len(questions) <= MAX_QUESTIONS:
+            raise RequestError("questions", f"must hold 1-{MAX_QUESTIONS} questions, got {len(questions)}")
+        parsed = []
+        text_chars = 0
+        for qid, question in questions.items():
+            field = f"questions.{qid}"
+            self._check_name(qid, field, "question name")
+            if not isinstance(question, dict):
+                raise RequestError(field, "must be an object with type, instructions, criteria")
+            for key in question:
+                if key not in ("type", "instructions", "criteria"):
+                    raise RequestError(f"{field}.{key}", "unknown field; allowed: type, instructions, criteria")
+            kind = question.get("type")
+            if kind not in QUESTION_TYPES:
+                raise RequestError(f"{field}.type", f"must be one of {', '.join(QUESTION_TYPES)}")
+            instructions = self._check_text(question.get("instructions"), f"{field}.instructions", what="instructions")
+            if not instructions.strip():
+                raise RequestError(f"{field}.instructions", "must be non-empty text")
+            candidates = self._parse_criteria(kind, question.get("criteria"), f"{field}.criteria")
+            text_chars += len(instructions)
+            if kind != "noul":
+                text_chars += sum(len(c.description) for c in candidates)
+            if text_chars > MAX_TEXT:
+                raise RequestError(
+                    "questions", f"instructions and descriptions exceed {MAX_TEXT} characters in total"
+                )
+            parsed.append(_ParsedQuestion(qid, kind, instructions, candidates))
+        return parsed
+
+    def _parse_criteria(self, kind: str, criteria, field: str) -> list[_Candidate]:
+        if kind == "noul":
+            return [_Candidate(key, description) for key, description in NOUL_CANDIDATES]
+        if kind == "choice":
+            if not isinstance(criteria, dict):
+                raise RequestError(field, "choice criteria must be an object {key: description}")
+            if not 1 <= len(criteria) <= MAX_OPTIONS:
+                raise RequestError(field, f"choice needs 1-{MAX_OPTIONS} criteria, got {len(criteria)}")
+            result = []
+            for key, description in criteria.items():
+                item_field = f"{field}.{key}"
+                self._check_name(key, item_field, "option key")
+                self._check_text(key, item_field, what="option key")
+                if description is None:
+                    description = key  # a null criterion defaults to its key
+                self._check_text(description, item_field, what="description")
+                if not description.strip():
+                    raise RequestError(item_field, "description must be non-empty text")
+                result.append(_Candidate(key, description))
+            return result
+        # score
+        if not isinstance(criteria, list):
+            raise RequestError(field, "score criteria must be a list of level descriptions")
+        if not MIN_SCORE_LEVELS <= len(criteria) <= MAX_SCORE_LEVELS:
+            raise RequestError(
+                field, f"score needs {MIN_SCORE_LEVELS}-{MAX_SCORE_LEVELS} levels, got {len(criteria)}"
+            )
+        result = []
+        for index, description in enumerate(criteria):
+            item_field = f"{field}[{index}]"
+            self._check_text(description, item_field, what="description")
+            if not description.strip():
+                raise RequestError(item_field, "description must be non-empty text")
+            result.append(_Candidate(str(index), description))
+        return result
+
+    def _parse_state(self, state) -> tuple[list[dict], list[_ImageItem]]:
+        """State -> chat messages (Valen's shape after media rewriting) and the images in order."""
+        if isinstance(state, str):
+            self._check_text(state, "state", what="state")
+            if not state.strip():
+                raise RequestError("state", "must not be empty or whitespace-only")
+            return [{"role": "user", "content": [{"type": "text", "text": state}]}], []
+        if isinstance(state, dict) and list(state) == ["image"]:
+            image = self._parse_data_url(state["image"], "state.image")
+            return [{"role": "user", "content": [{"type": "image"}]}], [image]
+        if isinstance(state, dict) and list(state) == ["messages"]:
+            return self._parse_messages(state["messages"])
+        if isinstance(state, (dict, list)):
+            try:
+                text = json.dumps(state, ensure_ascii=False, allow_nan=False)
+            except RecursionError as exc:
+                raise RequestError("state", "nested too deeply") from exc
+            except (TypeError, ValueError) as exc:
+                raise RequestError("state", f"cannot be serialised as JSON ({exc})") from exc
+            self._check_text(text, "state", what="state")
+            return [{"role": "user", "content": [{"type": "text", "text": text}]}], []
+        raise RequestError("state", "must be text, a JSON object or array, {image: data URL} or {messages: [...]}")
+
+    def _parse_messages(self, messages) -> tuple[list[dict], list[_ImageItem]]:
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("state.messages", "must be a non-empty list of messages")
+        result, images = [], []
+        for index, message in enumerate(messages):
+            field = f"state.messages[{index}]"
+            if not isinstance(message, dict):
+                raise RequestError(field, "must be an object with role and content")
+            for key in message:
+                if key not in ("role", "content"):
+                    raise RequestError(f"{field}.{key}", "unknown field; allowed: role, content")
+            role = message.get("role")
+            if role not in _ROLES:
+                raise RequestError(f"{field}.role", f"must be one of {', '.join(_ROLES)}")
+            content = message.get("content")
+            if isinstance(content, str):
+                self._check_text(content, f"{field}.content")
+                result.append({"role": role, "content": [{"type": "text", "text": content}]})
+                continue
+            if not isinstance(content, list) or not content:
+                raise RequestError(f"{field}.content", "must be a string or a non-empty list of items")
+            items = []
+            for item_index, item in enumerate(content):
+                item_field = f"{field}.content[{item_index}]"
+                if not isinstance(item, dict):
+                    raise RequestError(item_field, "must be an object with a type")
+                kind = item.get("type")
+                if kind == "text":
+                    _only_keys(item, ("type", "text"), item_field)
+                    items.append({"type": "text", "text": self._check_text(item.get("text"), f"{item_field}.text")})
+                elif kind in ("image_url", "image"):
+                    _only_keys(item, ("type", kind), item_field)
+                    url = item.get(kind)
+                    url_field = f"{item_field}.{kind}"
+                    if isinstance(url, dict):
+                        _only_keys(url, ("url",), url_field)
+                        url, url_field = url.get("url"), f"{url_field}.url"
+                    images.append(self._parse_data_url(url, url_field))
+                    if len(images) > MAX_IMAGES:
+                        raise RequestError(item_field, f"at most {MAX_IMAGES} images per state")
+                    items.append({"type": "image"})
+                elif kind in ("video", "video_url"):
+                    raise RequestError(f"{item_field}.type", "video input is not supported")
+                else:
+                    raise RequestError(f"{item_field}.type", "must be text, image_url or image")
+            result.append({"role": role, "content": items})
+        return result, images
+
+    def _parse_data_url(self, url, field: str) -> _ImageItem:
+        if not isinstance(url, str):
+            raise RequestError(field, "must be a data:image/png;base64,… or data:image/jpeg;base64,… URL")
+        for prefix, mime_format in _DATA_URL_PREFIXES.items():
+            if url.startswith(prefix):
+                payload = url[len(prefix):]
+                break
+        else:
+            raise RequestError(field, "must be a data:image/png;base64,… or data:image/jpeg;base64,… URL")
+        limit = self.image_limits.max_bytes
+        if len(payload) > 4 * ((limit + 2) // 3):
+            raise RequestError(field, f"image is larger than {limit} bytes")
+        try:
+            data = base64.b64decode(payload.encode("ascii"), validate=True)
+        except (binascii.Error, UnicodeEncodeError, ValueError) as exc:
+            raise RequestError(field, "invalid base64 payload") from exc
+        if not data:
+            raise RequestError(field, "empty image")
+        return _ImageItem(data, mime_format, field)
+
+    # ---------------------------------------------------------------- encoding
+
+    def _encode_state(self, messages: list[dict], images: list[_ImageItem]) -> StateInputs:
+        processed = []
+        for image in images:
+            decoded = decode_image(image.data, image.mime_format, image.field, self.image_limits)
+            try:
+                processed.append(preprocess(decoded, self.image_config))
+            except ValueError as exc:
+                raise RequestError(image.field, str(exc)) from exc
+        try:
+            text = self.tokenizer.render_chat(messages, add_generation_prompt=False)
+        except jinja2.TemplateError as exc:
+            raise RequestError("state", f"the chat template rejected the state ({exc})") from exc
+        if text.count(self.image_token) != len(processed):
+            raise ConfigError(
+                f"chat template emitted {text.count(self.image_token)} {self.image_token} for {len(processed)} images"
+            )
+        if self.video_token in text:
+            raise ConfigError(f"chat template emitted {self.video_token} without a video")
+        merge_length = self.image_config.merge_size**2
+        # Same expansion as Qwen3VLProcessor.__call__: each placeholder, in order, becomes
+        # t * h * w / merge^2 copies; then the whole text is tokenized once. The processor's
+        # temporary marker would turn user text "<|placeholder|>" into image tokens there, so
+        # such a state is refused rather than compiled differently.
+        placeholder = "<|placeholder|>"
+        if processed and placeholder in text:
+            raise RequestError("state", f"text must not contain {placeholder} together with images")
+        for item in processed:
+            grid_t, grid_h, grid_w = item.grid_thw
+            count = grid_t * grid_h * grid_w // merge_length
+            text = text.replace(self.image_token, placeholder * count, 1)
+        text = text.replace(placeholder, self.image_token)
+        input_ids = self.tokenizer.encode_prompt(text)
+        mm_token_type_ids = [
+            1 if token == self.image_token_id else 2 if token == self.video_token_id else 0 for token in input_ids
+        ]
+        if processed:
+            pixel_values, grids = stack_images(processed)
+        else:
+            pixel_values, grids = None, None
+        return StateInputs(input_ids, mm_token_type_ids, pixel_values, grids)
+
+    def _compile_question(self, question: _ParsedQuestion, base_length: int) -> Question:
+        encode = self.tokenizer.encode
+        if question.kind == "score":
+            groups = [[candidate] for candidate in question.candidates]  # one grade per branch
+        else:
+            groups = [question.candidates]
+        header = encode("<|im_start|>user\n")
+        task = encode(f"Task: {question.kind}\nQuestion: {question.instructions}\nCandidates:\n")
+        newline = encode("\n")
+        decision = encode("Decision:")
+        branches = []
+        for group in groups:
+            suffix = header + task
+            positions = []
+            for candidate in group:
+                if question.kind == "score":
+                    text = candidate.description  # never the grade id
+                else:
+                    text = f"{candidate.key}: {candidate.description}"
+                suffix += encode(text)
+                positions.append(base_length + len(suffix) - 1)
+                suffix += newline
+            suffix += decision
+            length = base_length + len(suffix)
+            if length > self.max_length:
+                raise RequestError(
+                    f"questions.{question.qid}",
+                    f"{question.qid}: {length} tokens exceed max_length={self.max_length}; no truncation",
+                )
+            branches.append(Branch(suffix_ids=suffix, candidate_positions=positions, decision_position=length - 1))
+        return Question(
+            qid=question.qid,
+            kind=question.kind,
+            keys=[c.key for c in question.candidates],
+            descriptions=[c.description for c in question.candidates],
+            branches=branches,
+        )
+
+
+def _only_keys(item: dict, allowed: tuple[str, ...], field: str) -> None:
+    for key in item:
+        if key not in allowed:
+            raise RequestError(f"{field}.{key}", f"unknown field; allowed: {', '.join(allowed)}")
