@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,13 +64,24 @@ def _reject_duplicates(pairs):
     return seen
 
 
+def _reject_constant(name):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 class SafetensorsFile:
     """Parsed header of one safetensors file; tensors are read on demand."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         try:
-            size = self.path.stat().st_size
+            st = self.path.stat()
+            if not stat.S_ISREG(st.st_mode):
+                raise WeightsError(f"{self.path}: not a regular file")
+            size = st.st_size
             with open(self.path, "rb") as f:
                 raw_len = f.read(8)
                 if len(raw_len) < 8:
@@ -85,12 +97,18 @@ class SafetensorsFile:
         except OSError as e:
             raise WeightsError(f"{self.path}: cannot read ({e.strerror or e})") from None
         try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
-        except (UnicodeDecodeError, ValueError) as e:
-            raise WeightsError(f"{self.path}: malformed safetensors header ({e})") from None
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise WeightsError(f"{self.path}: malformed safetensors header ({detail})") from None
         if not isinstance(header, dict):
             raise WeightsError(f"{self.path}: safetensors header is not a JSON object")
-        self.metadata = header.pop("__metadata__", None) or {}
+        metadata = header.pop("__metadata__", None)
+        if metadata is not None and (
+            not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+        ):
+            raise WeightsError(f"{self.path}: safetensors __metadata__ must map strings to strings")
+        self.metadata = metadata or {}
         data_start = 8 + header_len
         data_len = size - data_start
         infos: dict[str, TensorInfo] = {}
@@ -114,14 +132,16 @@ class SafetensorsFile:
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise WeightsError(f"{where}: header entry must have exactly dtype, shape, data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in DTYPES:
+        if not name:
+            raise WeightsError(f"{self.path}: empty tensor name in the header")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise WeightsError(f"{where}: unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise WeightsError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
-            or not all(isinstance(o, int) for o in offsets)
+            or not all(_is_int(o) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1] <= data_len
         ):
             raise WeightsError(f"{where}: data_offsets {offsets!r} point outside the file's data ({data_len} bytes)")
