@@ -48,13 +48,13 @@ class LoRALinear(nn.Module):
         # peft 0.18.1 lora.Linear.forward: input cast to the adapter dtype, B(A(x)) * scaling added to
         # the base result (bf16 + fp32 promotes to fp32), then one cast back to the base result dtype.
         result_dtype = result.dtype
-        x = x if x.dtype == self.lora_A.weight.dtype else x.to(self.lora_A.weight.dtype)
+        x = x.to(self.lora_A.weight.dtype)
         result = result + self.lora_B(self.lora_A(x)) * self.lora_scale
         return result.to(result_dtype)
 
     def extra_repr(self) -> str:
-        lora = f", lora_rank={self.lora_A.out_features}, lora_scale={self.lora_scale}" if self.lora_A is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}{lora}"
+        text = f"in_features={self.in_features}, out_features={self.out_features}"
+        return text if self.lora_A is None else f"{text}, lora_scale={self.lora_scale}"
 
 
 def attach_lora(model: nn.Module, adapter: dict[str, torch.Tensor], scale: float) -> None:
@@ -354,7 +354,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = LoRALinear(cfg.hidden_size, self.num_v_heads)
         # Depthwise causal conv: pad K-1 on both sides and keep the first T outputs, as HF does.
         self.conv1d = nn.Conv1d(
-            self.conv_dim, self.conv_dim, self.kernel_size, groups=self.conv_dim, padding=self.kernel_size - 1, bias=False
+            self.conv_dim, self.conv_dim, self.kernel_size,
+            groups=self.conv_dim, padding=self.kernel_size - 1, bias=False,
         )
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
