@@ -7,7 +7,7 @@ default, as in the pinned environment: valen-format.md §12 row 7), then the mod
 and every request of the job runs against it.
 
 Job file (JSON): {"checkpoint": dir, "base": dir, "device": "cpu"|"cuda", "dtype": "bf16"|"fp32",
-"out": dir, "valen_source": dir|null, "requests": [{"id": str, "request": wire request}]}.
+"out": dir, "valen_source": dir|null, "threads": int|null, "requests": [{"id": str, "request": wire request}]}.
 Writes OUT/reference.json and one OUT/pixels-<n>.pt per image request (pixel_values, for the
 image-preprocessing comparison). Exit 0 when the model was built (per-request rejections are
 results), 3 when the reference itself could not be built (message on stderr, one line).
@@ -51,6 +51,8 @@ def run_job(job: dict) -> dict:
     out = Path(job["out"])
     out.mkdir(parents=True, exist_ok=True)
     device, dtype = job.get("device", "cpu"), job.get("dtype", "bf16")
+    if job.get("threads"):
+        torch.set_num_threads(int(job["threads"]))
     t0 = time.perf_counter()
     if job.get("valen_source"):
         from parity import valen_source

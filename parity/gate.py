@@ -1,0 +1,81 @@
+"""CI parity gate: `python -m parity.gate OUTDIR` (`make parity-gate`).
+
+Builds the tiny synthetic fixture under OUTDIR (removing any previous OUTDIR), exports it in both
+LoRA modes, and runs the `valen-parity` comparison (`parity.cli.run`, the code behind the
+command) with every built-in case on the CPU for fp32 and bf16, per-branch and shared-prefix:
+8 combinations. The reference is built once per dtype (its results are shared through a reference
+cache; the reference does not depend on the export or the runtime's execution mode). Reports go
+to OUTDIR/reports/<lora>-<dtype>-<mode>.json, a summary to OUTDIR/summary.json. Exit 0 only when
+all 8 pass; 1 on any parity failure; 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+COMBOS = [(dtype, lora, mode) for dtype in ("fp32", "bf16") for lora in ("separate", "merged") for mode in ("per-branch", "shared-prefix")]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m parity.gate", description=__doc__.splitlines()[0])
+    ap.add_argument("outdir", type=Path)
+    ap.add_argument("--tolerances", type=Path, default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1: the tiny model gains nothing from more)")
+    ap.add_argument("--case", default="all")
+    args = ap.parse_args(argv)
+
+    from . import harness, tolerances
+    from .cli import run
+    from valen_export.export import export
+    from valen_export.fixture import build_fixture
+
+    t0 = time.perf_counter()
+    out = args.outdir
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    fx = build_fixture(out / "fixture", preset="tiny", seed=0)
+    exports = {}
+    for lora in ("separate", "merged"):
+        exports[lora] = out / f"export-{lora}"
+        export(fx.checkpoint, fx.base, exports[lora], lora_mode=lora, pins_path=fx.pins, progress=False)
+    print(f"fixture and exports ready in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    summary = {}
+    failed = []
+    (out / "reports").mkdir()
+    for dtype, lora, mode in COMBOS:
+        t1 = time.perf_counter()
+        try:
+            report = run(
+                exports[lora], fx.checkpoint, fx.base, args.case, None, "cpu", dtype, mode, fx.pins, None,
+                args.tolerances or tolerances.DEFAULT_PATH, args.threads, out / "reference-cache",
+            )
+        except harness.UsageProblem as e:
+            print(f"error: {lora}/{dtype}/{mode}: {e}", file=sys.stderr)
+            return 2
+        name = f"{lora}-{dtype}-{mode}"
+        (out / "reports" / f"{name}.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        table = harness.table(report)
+        if report["verdict"] == "pass":
+            print(table.splitlines()[-1] + f"  [{time.perf_counter() - t1:.1f} s]", flush=True)
+        else:
+            failed.append(name)
+            print(table, flush=True)
+        summary[name] = {"verdict": report["verdict"], **report["summary"], "tolerance": report["tolerance"], "reference_cached": report["reference"]["cached"]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    total = time.perf_counter() - t0
+    if failed:
+        print(f"parity gate FAILED: {', '.join(failed)} ({total:.1f} s); reports in {out / 'reports'}", file=sys.stderr)
+        return 1
+    print(f"parity gate passed: {len(COMBOS)} combinations, every built-in case ({total:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
