@@ -221,6 +221,9 @@ class TextCache:
     dtype) and `recurrent_states[i]` [B, Hv, Dk, Dv] fp32. Full-attention layers: `keys[i]`,
     `values[i]` [B, Hk, S, D] after RoPE. Forwards replace these tensors and never write into them,
     so `expand()` can share one prefix among several continuations without copying.
+    A continuation equals a one-shot forward up to round-off. Cutting the prefix at a multiple of the
+    delta-rule chunk (64 tokens) keeps the chunks aligned; unaligned cuts reorder fp32 sums, which
+    bf16 can amplify (tests/valen_runtime/test_qwen35.py measures both).
     """
 
     def __init__(self, layer_types: tuple[str, ...]):
