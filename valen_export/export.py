@@ -9,12 +9,15 @@ one-to-one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import platform
 import shutil
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -313,14 +316,19 @@ def export(
     reader = _Reader(base)
     files, fragments = plan_export(checkpoint, base, pins, lora_mode, max_shard_bytes, reader)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale_partials(out)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    bar = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale_partials(out)
+    except OSError as e:
+        raise ExportError(f"{out.parent}: cannot create the output's parent directory ({e.strerror})") from None
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    bar = None
+    current = "the temporary directory"
+    restore_sigterm = _sigterm_unwinds()
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
         total = sum(len(f.tensors) for f in files)
         show = sys.stderr.isatty() if progress is None else progress
         if show:
@@ -329,6 +337,7 @@ def export(
             bar = tqdm(total=total, unit="tensor", desc=f"export ({lora_mode})", file=sys.stderr)
         records: dict[str, dict] = {}
         for pf in files:
+            current = pf.name
             writer = StreamingWriter(tmp / pf.name, [(t.name, t.dtype, t.shape) for t in pf.tensors], metadata={"format": "pt"})
             try:
                 for t in pf.tensors:
@@ -348,10 +357,12 @@ def export(
             weight_map = {t.name: pf.name for pf in files if pf.name in fragments["language"]["files"] for t in pf.tensors}
             total_size = sum(pf.nbytes for pf in files if pf.name in fragments["language"]["files"])
             index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            current = INDEX_FILE
             records[INDEX_FILE] = _write_bytes(tmp / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
         for asset in TEXT_ASSETS:
             src = base.folder / asset
             if src.is_file():
+                current = asset
                 records[asset] = _write_bytes(tmp / asset, src.read_bytes())
 
         manifest = {
@@ -372,6 +383,7 @@ def export(
             "exporter": {"name": "valen-export", "version": EXPORTER_VERSION, "sha256": _exporter_sha256()},
             "producer_runtime": producer_runtime(),
         }
+        current = MANIFEST_NAME
         _write_bytes(tmp / MANIFEST_NAME, (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode())
         _fsync_dir(tmp)
         try:
@@ -380,15 +392,44 @@ def export(
         except OSError as e:
             raise ExportError(f"{out}: could not move the finished export into place ({e.strerror}); another export may have won the race") from None
         _fsync_dir(out.parent)
-    except BaseException:
+    except BaseException as e:
+        # Killed by SIGKILL we cannot clean up; the next export into the same parent removes the
+        # partial directory (its pid is gone). Everything else unwinds through here.
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise _write_failure(e, out, current) from None
         raise
     finally:
+        restore_sigterm()
         if bar:
             bar.close()
         reader.close()
     log(f"export complete: {out}")
     return manifest
+
+
+_DISK_ERRORS = {errno.ENOSPC: "no space left on device", errno.EFBIG: "file size limit exceeded", errno.EDQUOT: "disk quota exceeded"}
+
+
+def _write_failure(e: OSError, out: Path, current: str) -> ExportError:
+    """One line for a failed write (disk full, file size limit, I/O error), naming the file being written."""
+    what = _DISK_ERRORS.get(e.errno) or e.strerror or str(e).strip() or type(e).__name__
+    code = f" ({errno.errorcode[e.errno]})" if e.errno in errno.errorcode else ""
+    return ExportError(f"{out}: writing {current} failed: {what}{code}; the partial export was removed and {out} was not created")
+
+
+def _sigterm_unwinds() -> Callable[[], None]:
+    """While an export writes, turn SIGTERM into SystemExit(143) so the temporary directory is removed
+    (SIGINT already unwinds as KeyboardInterrupt). Only from the main thread, and only when SIGTERM
+    still has its default action; returns the function that restores the previous handler."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+
+    def unwind(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, unwind)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _write_bytes(path: Path, data: bytes) -> dict:

@@ -248,8 +248,12 @@ class StreamingWriter:
         return self._hash.hexdigest(), self._size
 
     def abort(self) -> None:
+        """Close without flushing errors: the caller is already handling a failure (e.g. a full disk)."""
         if not self._f.closed:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:
+                pass
 
 
 def write_file(path, tensors: dict[str, torch.Tensor], metadata=None) -> tuple[str, int]:
