@@ -108,6 +108,26 @@ def test_state_dict_names_are_hf_names():
         assert p.shape == hf.state_dict()[LM_PREFIX + name].shape, name
 
 
+def test_2b_names_and_shapes_match_hf_on_meta():
+    """The presumed Qwen3.5-2B config: 320 language and 297 vision tensors, same names and shapes."""
+    import json
+    from pathlib import Path
+
+    from valen_runtime.vision import VisionModel
+
+    path = Path(__file__).resolve().parents[2] / "manifests" / "qwen3.5-2b.config.json"
+    if not path.exists():
+        pytest.skip("no presumed 2B config in this checkout")
+    d = json.loads(path.read_text())
+    cfg = ModelConfig.from_dict(d)
+    with torch.device("meta"):
+        hf = Qwen3_5ForConditionalGeneration(Qwen3_5Config(**d))
+        text, vision = TextModel(cfg.text_config), VisionModel(cfg.vision_config)
+    for prefix, module, count in ((LM_PREFIX, text, 320), ("model.visual.", vision, 297)):
+        want = {k[len(prefix):]: v.shape for k, v in hf.state_dict().items() if k.startswith(prefix)}
+        assert {k: v.shape for k, v in module.state_dict().items()} == want and len(want) == count
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_text_model_matches_hf_bitwise(dtype):
     hf, rt = build_pair(dtype)
