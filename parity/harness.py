@@ -32,6 +32,7 @@ from .tolerances import Tolerance
 
 REPORT_SCHEMA = "valen-parity-report/1"
 REPO_ROOT = Path(__file__).resolve().parent.parent
+WORKER_FILES = ("isolation.py", "prompt.py", "reference.py", "reference_worker.py", "valen_source.py")
 
 
 class UsageProblem(Exception):
@@ -132,8 +133,9 @@ def reference_cache_key(checkpoint: Path, base: Path, device: str, dtype: str, r
         "dtype": dtype,
         "valen_source": valen_source,
         "threads": threads,
-        "requests": requests,
-        "worker": {p.name: file_sha256(p) for p in sorted(Path(__file__).resolve().parent.glob("*.py"))},
+        "requests": [req for _, req in requests],  # ids are labels only: results are remapped by position
+        # The code that runs in the reference process: a change to it invalidates cached results.
+        "worker": {n: file_sha256(Path(__file__).resolve().parent / n) for n in WORKER_FILES},
     }
     h.update(json.dumps(parts, sort_keys=True, ensure_ascii=False).encode())
     return h.hexdigest()[:32]
@@ -159,7 +161,10 @@ def run_reference(
         key = reference_cache_key(checkpoint, base, device, dtype, requests, valen_source, threads)
         hit = Path(cache_dir) / key
         if (hit / "reference.json").is_file():
-            return ReferenceRun(json.loads((hit / "reference.json").read_text(encoding="utf-8")), hit, 0.0, cached=True)
+            data = json.loads((hit / "reference.json").read_text(encoding="utf-8"))
+            for rec, (rid, _) in zip(data["results"], requests):
+                rec["id"] = rid
+            return ReferenceRun(data, hit, 0.0, cached=True)
     out = Path(tempfile.mkdtemp(prefix="valen-parity-ref-", dir=workdir))
     job = {
         "checkpoint": str(checkpoint.resolve()),
