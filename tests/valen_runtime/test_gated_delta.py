@@ -9,6 +9,15 @@ from hypothesis import strategies as st
 from valen_runtime.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one thread is faster and immune to oversubscribed CI cores; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_inputs(B, T, H, Dk, Dv, seed, dtype=torch.float32, strong_decay=False):
     """Shapes and dtypes as GatedDeltaNet passes them: q/k/v/beta in the activation dtype, g fp32."""
     gen = torch.Generator().manual_seed(seed)

@@ -95,6 +95,15 @@ def report(name: str, ref: torch.Tensor, out: torch.Tensor) -> float:
 
 
 @pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one thread is faster and immune to oversubscribed CI cores; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():
         yield

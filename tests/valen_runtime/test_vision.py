@@ -16,6 +16,15 @@ from valen_runtime.vision import VisionModel  # noqa: E402
 VISION_PREFIX = "model.visual."
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one thread is faster and immune to oversubscribed CI cores; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_hf_config() -> Qwen3_5Config:
     text = dict(
         vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1, layer_types=["full_attention"],
