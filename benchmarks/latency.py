@@ -1,0 +1,183 @@
+"""End-to-end latency on one GPU (issue #5): reference path vs runtime modes, in ONE run.
+
+Builds the `2b` preset (Qwen3.5-2B shapes, random weights) unless it exists, exports it, then
+measures per request (compile + vision + text + head + answers, CUDA-synchronised):
+- reference: pinned transformers 5.4.0 + PEFT unmerged, eager, one forward per branch, in its own
+  process with flash-linear-attention blocked (benchmarks/reference_latency.py);
+- runtime per-branch (pure PyTorch, reference-shaped);
+- runtime shared-prefix: PyTorch kernels / fast kernels (FLA + SDPA) / fast kernels + CUDA graphs.
+Reports median and p90, speed-up over the reference, the physical floor estimate and the ratio,
+and the fast mode's max |Δp| and decision agreement against the reference. Not a test.
+
+    python benchmarks/latency.py --work /tmp/bench --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from bench_requests import benchmark_requests  # noqa: E402
+
+# Physical floor (docs/benchmarks.md, ../shared/spec/performance.md): text linear weights 2.75 GB
+# streamed at 4.8 TB/s, 3.48 us of dense compute per token, ~0.7 ms of vision per 784 patches.
+WEIGHT_READ_S = 2.75e9 / 4.8e12
+COMPUTE_PER_TOKEN_S = 3.48e-6
+VISION_PER_PATCH_S = 0.7e-3 / 784
+
+
+def floor_s(compiled) -> float:
+    """Shared-prefix floor: every logical token once, vision once."""
+    tokens = compiled.logical_tokens
+    patches = 0 if compiled.state.image_grid_thw is None else int(compiled.state.image_grid_thw.prod(-1).sum())
+    return max(WEIGHT_READ_S, tokens * COMPUTE_PER_TOKEN_S) + patches * VISION_PER_PATCH_S
+
+
+def stats(times: list[float]) -> dict:
+    s = sorted(times)
+    return {"median_ms": statistics.median(s) * 1e3, "p90_ms": s[min(len(s) - 1, int(0.9 * len(s)))] * 1e3, "n": len(s)}
+
+
+def probs(logits) -> list[list[float]]:
+    return [torch.softmax(torch.as_tensor(lg, dtype=torch.float32), -1).tolist() for lg in logits]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_engine(engine, req, iters: int, warmup: int):
+    times, result = [], None
+    for i in range(warmup + iters):
+        sync()
+        t = time.perf_counter()
+        result = engine.run(req)  # includes compile (tokenizer, image preprocessing) and answers
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return times, result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/valen-bench"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ref-iters", type=int, default=5)
+    ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--preset", choices=["2b", "tiny"], default="2b", help="tiny: a CPU smoke run of this script")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+
+    from valen_export.export import export
+    from valen_export.fixture import build_fixture
+    from valen_runtime.engine import Engine
+
+    fx_dir = args.work / f"fixture-{args.preset}"
+    t = time.perf_counter()
+    if not (fx_dir / "pins.json").exists():
+        build_fixture(fx_dir, preset=args.preset, seed=0)
+    print(f"fixture ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    exp = args.work / f"export-{args.preset}-separate"
+    t = time.perf_counter()
+    if not (exp / "valen_export.json").exists():
+        export(fx_dir / "checkpoint", fx_dir / "base", exp, lora_mode="separate", pins_path=fx_dir / "pins.json", progress=False)
+    print(f"export ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+
+    reqs = benchmark_requests()
+    report = {
+        "hardware": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
+        "preset": args.preset,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "requests": {},
+    }
+    ref = {}
+    if not args.skip_reference:
+        from parity.isolation import clean_environment
+
+        ref_out = args.work / "reference.json"
+        cmd = [sys.executable, str(HERE / "reference_latency.py"), "--checkpoint", str(fx_dir / "checkpoint"), "--base", str(fx_dir / "base"),
+               "--out", str(ref_out), "--iters", str(args.ref_iters), "--warmup", "2", "--device", args.device]
+        env = clean_environment()
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        t = time.perf_counter()
+        subprocess.run(cmd, check=True, env=env)
+        ref = json.loads(ref_out.read_text())
+        report["reference_environment"] = ref.pop("environment")
+        print(f"reference done in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+
+    configs = [
+        ("runtime per-branch (torch)", dict(mode="per-branch", kernels="torch", graphs=False)),
+        ("shared-prefix (torch)", dict(mode="shared-prefix", kernels="torch", graphs=False)),
+        ("shared-prefix (fast kernels)", dict(mode="shared-prefix", kernels="fast", graphs=False)),
+        ("shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True)),
+    ]
+    if args.device != "cuda":
+        configs = configs[:2]
+    from valen_runtime.compile import Compiler
+    from valen_runtime.weights import load_model
+
+    # One model per kernel choice (enable_fast_paths swaps the seams in place); one engine per
+    # configuration, reused across requests so its CUDA graphs are reused too.
+    models = {"torch": load_model(exp, device=args.device, dtype="bf16")}
+    if any(kw["kernels"] == "fast" for _, kw in configs):
+        models["fast"] = load_model(exp, device=args.device, dtype="bf16")
+    prompt = models["torch"].manifest.data["prompt"]
+    compiler = Compiler.from_dir(exp, max_length=prompt["max_length"], media_kwargs=prompt.get("media_kwargs") or {})
+    engines = {label: Engine(models[kw["kernels"]], compiler, **kw) for label, kw in configs}
+    for name, req in reqs.items():
+        row = {"modes": {}}
+        if name in ref:
+            row["modes"]["reference (transformers 5.4.0, eager, per branch)"] = stats(ref[name]["times_s"])
+        compiled = engines[configs[0][0]].compiler.compile(req)
+        for label, kw in configs:
+            engine = engines[label]
+            try:
+                times, result = time_engine(engine, req, args.iters if kw["mode"] != "per-branch" else max(3, args.iters // 2), args.warmup)
+            except Exception as e:  # record, don't hide: a failing configuration is a result too
+                row["modes"][label] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"{name} {label}: ERROR {e}", file=sys.stderr, flush=True)
+                continue
+            entry = stats(times)
+            entry["kernels"] = engine.kernels
+            if name in ref:
+                rp, fp = probs(ref[name]["logits"]), probs(result.logits)
+                entry["max_abs_dp_vs_reference"] = max(abs(a - b) for x, y in zip(rp, fp) for a, b in zip(x, y))
+                entry["decisions_agree"] = [max(range(len(x)), key=x.__getitem__) == max(range(len(y)), key=y.__getitem__) for x, y in zip(rp, fp)]
+            row["modes"][label] = entry
+            print(f"{name} {label}: median {entry['median_ms']:.2f} ms", file=sys.stderr, flush=True)
+        row["state_tokens"] = len(compiled.state.input_ids)
+        row["branches"] = sum(len(q.branches) for q in compiled.questions)
+        row["logical_tokens"] = compiled.logical_tokens
+        row["compute_tokens"] = compiled.compute_tokens
+        row["floor_ms"] = floor_s(compiled) * 1e3
+        ref_ms = row["modes"].get("reference (transformers 5.4.0, eager, per branch)", {}).get("median_ms")
+        for entry in row["modes"].values():
+            if "median_ms" in entry:
+                entry["ratio_to_floor"] = entry["median_ms"] / row["floor_ms"]
+                if ref_ms:
+                    entry["speedup_vs_reference"] = ref_ms / entry["median_ms"]
+        report["requests"][name] = row
+    args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
