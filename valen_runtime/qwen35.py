@@ -68,6 +68,7 @@ def attach_lora(model: nn.Module, adapter: dict[str, torch.Tensor], scale: float
     Raises:
         WeightsError: unknown names, a missing A/B partner, a target that is not a projection,
             or shapes that do not fit; the model is left unchanged.
+    The children hold the given tensors (cast to fp32 on the base weight's device if needed).
     """
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     unknown = []
@@ -95,13 +96,14 @@ def attach_lora(model: nn.Module, adapter: dict[str, torch.Tensor], scale: float
             )
     for name, p in pairs.items():
         base = modules[name]
-        rank = p["lora_A"].shape[0]
-        device = base.weight.device
-        base.lora_A = nn.Linear(base.in_features, rank, bias=False, device=device, dtype=torch.float32)
-        base.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=torch.float32)
-        with torch.no_grad():
-            base.lora_A.weight.copy_(p["lora_A"])
-            base.lora_B.weight.copy_(p["lora_B"])
+        # Next to the base weight; on a meta-built model, wherever the adapter tensors already are.
+        device = base.weight.device if base.weight.device.type != "meta" else p["lora_A"].device
+        for part, (n_in, n_out) in (("lora_A", (base.in_features, p["lora_A"].shape[0])),
+                                    ("lora_B", (p["lora_B"].shape[1], base.out_features))):
+            child = nn.Linear(n_in, n_out, bias=False, device="meta")
+            # Assigned like load_state_dict(assign=True): no copy when already fp32 on that device.
+            child.weight = nn.Parameter(p[part].to(device=device, dtype=torch.float32))
+            setattr(base, part, child)
         base.lora_scale = float(scale)
 
 

@@ -153,6 +153,7 @@ def test_text_model_matches_hf_bitwise(dtype):
     assert report(f"text {dtype}", ref, out) == 0.0
 
 
+@pytest.mark.filterwarnings("ignore:Could not find a config file")  # peft: no base config on disk
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_peft_lora_matches_runtime_bitwise(dtype):
     hf, rt = build_pair(dtype, seed=2)
@@ -337,3 +338,14 @@ def test_runtime_modules_import_neither_transformers_nor_peft():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_attach_lora_on_a_meta_built_model():
+    cfg = ModelConfig.from_dict(tiny_hf_config().to_dict())
+    with torch.device("meta"):
+        rt = TextModel(cfg.text_config)
+    a, b = torch.randn(4, 64), torch.randn(128, 4)
+    attach_lora(rt, {"layers.1.mlp.up_proj.lora_A.weight": a, "layers.1.mlp.up_proj.lora_B.weight": b}, 2.0)
+    proj = rt.layers[1].mlp.up_proj
+    assert proj.lora_A.weight.device.type == "cpu" and torch.equal(proj.lora_B.weight, b)
+    assert proj.weight.is_meta  # base weights still come from the loader
