@@ -90,8 +90,6 @@ def run(
         todo += _read_requests(requests_file)
     if not todo:
         raise harness.UsageProblem("nothing to run: give --case and/or --requests")
-    if threads:
-        torch.set_num_threads(threads)
     ref = harness.run_reference(
         checkpoint, base, [(f"{c}/{n}", r) for c, n, r in todo], device=device, dtype=dtype,
         valen_source=valen_source, threads=threads, cache_dir=reference_cache,
@@ -100,7 +98,13 @@ def run(
     if problems:
         raise harness.UsageProblem("; ".join(problems))
     setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads)
-    return harness.evaluate(setup, todo, ref, tol, manifest, manifest_sha)
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return harness.evaluate(setup, todo, ref, tol, manifest, manifest_sha)
+    finally:
+        torch.set_num_threads(previous)
 
 
 @click.command(name="valen-parity")
