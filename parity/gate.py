@@ -6,7 +6,8 @@ command) with every built-in case on the CPU for fp32 and bf16, per-branch and s
 8 combinations. The reference is built once per dtype (its results are shared through a reference
 cache; the reference does not depend on the export or the runtime's execution mode). Reports go
 to OUTDIR/reports/<lora>-<dtype>-<mode>.json, a summary to OUTDIR/summary.json. Exit 0 only when
-all 8 pass; 1 on any parity failure; 2 on a usage error.
+all 8 pass; 1 on any parity failure; 2 on a usage error. `--device cuda` runs the same
+combinations on a GPU (both sides) against the CUDA tolerance entries.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tolerances", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1: the tiny model gains nothing from more)")
     ap.add_argument("--case", default="all")
+    ap.add_argument("--device", default="cpu", help="cpu (the CI gate) or cuda (GPU measurements; CUDA tolerance entries)")
     args = ap.parse_args(argv)
 
     from . import harness, tolerances
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
         t1 = time.perf_counter()
         try:
             report = run(
-                exports[lora], fx.checkpoint, fx.base, args.case, None, "cpu", dtype, mode, fx.pins, None,
+                exports[lora], fx.checkpoint, fx.base, args.case, None, args.device, dtype, mode, fx.pins, None,
                 args.tolerances or tolerances.DEFAULT_PATH, args.threads, out / "reference-cache",
             )
         except harness.UsageProblem as e:

@@ -224,7 +224,9 @@ def runtime_environment(engine, threads: int | None) -> dict:
         "mode": engine.mode,
         "tf32": {"cuda.matmul.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32), "cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32)},
         "torch_num_threads": torch.get_num_threads(),
-        "kernels": "valen_runtime's own PyTorch ops (eager attention, chunked delta rule); no fla / causal-conv1d",
+        # What the engine runs at its seams: {"gated_delta": "torch" | "fla-core X", "attention": "eager" | "sdpa"}.
+        "kernels": dict(getattr(engine, "kernels", None) or {"gated_delta": "torch", "attention": "eager"}),
+        "cuda_graphs": getattr(engine, "graphs", None) is not None,
     }
 
 

@@ -79,6 +79,7 @@ def test_pass_writes_table_and_report(tiny_fixture, tiny_export, bf16_reference,
     assert env["live_model"]["gated_delta_rule"] == ["torch_chunk_gated_delta_rule"]
     assert env["tf32"]["cuda.matmul.allow_tf32"] is False and "cudnn.allow_tf32" in env["tf32"]
     assert env["device"] == "cpu" and env["dtype"] == "bf16"
+    assert report["runtime"]["kernels"] == {"gated_delta": "torch", "attention": "eager"} and report["runtime"]["cuda_graphs"] is False
     assert report["runtime"]["dtype"] == "bfloat16" and report["runtime"]["mode"] == "per-branch"
     s = report["summary"]
     assert s["requests"] == len(all_cases) and s["failed_requests"] == 0
