@@ -164,7 +164,8 @@ class TextRotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids [3, B, T] (temporal, height, width) -> cos, sin [B, T, R] in x's dtype."""
-        inv_freq = self._inv_freq(position_ids.device)
+        inv_freq = self._inv_freq(x.device)
+        position_ids = position_ids.to(x.device)
         inv = inv_freq[None, None, :, None].float().expand(3, position_ids.shape[1], -1, 1)  # [3, B, R/2, 1]
         pos = position_ids[:, :, None, :].float()  # [3, B, 1, T]
         device_type = x.device.type if x.device.type != "mps" else "cpu"

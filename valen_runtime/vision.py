@@ -34,7 +34,7 @@ class PatchEmbed(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, P] -> [N, E] in the weight dtype."""
         x = pixel_values.view(-1, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)
-        return self.proj(x.to(dtype=self.proj.weight.dtype)).view(-1, self.embed_dim)
+        return self.proj(x.to(device=self.proj.weight.device, dtype=self.proj.weight.dtype)).view(-1, self.embed_dim)
 
 
 class VisionMLP(nn.Module):
