@@ -24,6 +24,7 @@ from .positions import rope_index
 from .weights import LoadedModel, load_model
 
 MODES = ("per-branch", "shared-prefix")
+CHUNK = 64  # the chunk size of the reference's gated delta rule
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Engine:
         temperature: float = 1.0,
         kernels: str = "torch",
         graphs: bool = False,
+        align_prefix: bool = True,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -55,6 +57,7 @@ class Engine:
         self.mode = mode
         self.temperature = temperature
         self.model_id = model.manifest.data.get("model_id", "valen-preview-0923")
+        self.align_prefix = align_prefix
         self.kernels = {"gated_delta": "torch", "attention": "eager"}
         if kernels == "fast":
             from .fast import enable_fast_paths
@@ -150,35 +153,42 @@ class Engine:
     def _shared_prefix(self, compiled: CompiledRequest, features) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         m, st = self.model, compiled.state
         merge = m.config.vision_config.spatial_merge_size
-        prefix_len = len(st.input_ids)
-        positions, next_pos = rope_index(st.input_ids, st.mm_token_type_ids, st.image_grid_thw, merge)
-        embeds = self._embed(st.input_ids, self._state_image_mask(compiled, prefix_len) if features is not None else None, features)
-        prefix_pos = positions[:, None, :].to(m.device)  # [3, 1, P]
+        P = len(st.input_ids)
+        positions, next_pos = rope_index(st.input_ids, st.mm_token_type_ids, st.image_grid_thw, merge)  # [3, P]
+        embeds = self._embed(st.input_ids, self._state_image_mask(compiled, P) if features is not None else None, features)
+        # The shared part ends on a chunk boundary of the delta rule (64), so every branch sees the
+        # reference's chunking; the state tail (< 64 tokens) is re-run with each branch.
+        cut = (P // CHUNK) * CHUNK if self.align_prefix else P
+        positions = positions.to(m.device)
 
         branches = [br for q in compiled.questions for br in q.branches]
+        N, tail = len(branches), P - cut
         # Right padding is exact for the real tokens: every layer is causal, so a pad token never
         # influences an earlier position. Lengths round up to a multiple of 8 so graphs are reused.
-        longest = -(-max(len(br.suffix_ids) for br in branches) // 8) * 8
+        longest = -(-(tail + max(len(br.suffix_ids) for br in branches)) // 8) * 8
         pad_id = branches[0].suffix_ids[-1]
-        ids = torch.tensor([br.suffix_ids + [pad_id] * (longest - len(br.suffix_ids)) for br in branches], device=m.device)
-        suffix_pos = torch.arange(next_pos, next_pos + longest, device=m.device)
-        pos = suffix_pos.view(1, 1, -1).expand(3, len(branches), -1).contiguous()  # suffix tokens are text
-        suffix_embeds = m.text.embed(ids)  # [N, L, H]
+        ids = torch.tensor([br.suffix_ids + [pad_id] * (longest - tail - len(br.suffix_ids)) for br in branches], device=m.device)
+        rows_embeds = torch.cat([embeds[:, cut:].expand(N, -1, -1), m.text.embed(ids)], dim=1)  # [N, L, H]
+        suffix_pos = torch.arange(next_pos, next_pos + longest - tail, device=m.device).view(1, 1, -1).expand(3, N, -1)
+        rows_pos = torch.cat([positions[:, None, cut:].expand(3, N, -1), suffix_pos], dim=2).contiguous()  # [3, N, L]
 
-        if self.graphs is None:
-            state = self._prefix_state(embeds, prefix_pos)
-            hidden = self._suffix_hidden(suffix_embeds, pos, *state)
+        if cut == 0:
+            run = lambda e, p: (m.text(e, p),)  # noqa: E731 - nothing to share: one batched forward
+            (hidden,) = run(rows_embeds, rows_pos) if self.graphs is None else self.graphs.run(("whole", N, longest), run, [rows_embeds, rows_pos])
+        elif self.graphs is None:
+            state = self._prefix_state(embeds[:, :cut], positions[:, None, :cut])
+            hidden = self._suffix_hidden(rows_embeds, rows_pos, *state)
         else:
-            state = self.graphs.run(("prefix", prefix_len), self._prefix_state, [embeds, prefix_pos])
-            key = ("suffix", prefix_len, len(branches), longest)
-            (hidden,) = self.graphs.run(key, lambda e, p, *s: (self._suffix_hidden(e, p, *s),), [suffix_embeds, pos, *state])
+            state = self.graphs.run(("prefix", cut), self._prefix_state, [embeds[:, :cut].contiguous(), positions[:, None, :cut].contiguous()])
+            key = ("suffix", cut, N, longest)
+            (hidden,) = self.graphs.run(key, lambda e, p, *s: (self._suffix_hidden(e, p, *s),), [rows_embeds, rows_pos, *state])
 
         rows, k = [], 0
         for q in compiled.questions:
             q_rows = []
             for br in q.branches:
-                rel_c = [p - prefix_len for p in br.candidate_positions]
-                q_rows.append((hidden[k, rel_c], hidden[k, br.decision_position - prefix_len]))
+                rel_c = [p - cut for p in br.candidate_positions]
+                q_rows.append((hidden[k, rel_c], hidden[k, br.decision_position - cut]))
                 k += 1
             rows.append(q_rows)
         return rows
