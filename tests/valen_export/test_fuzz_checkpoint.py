@@ -16,7 +16,7 @@ the random strategies meanwhile, so that the fuzzers keep guarding everything el
   - a corrupt pickle inside the archive that makes torch's weights_only unpickler raise KeyError,
     IndexError, TypeError or AttributeError (open_checkpoint converts only RuntimeError, EOFError,
     BadZipFile, ValueError, OSError and UnpicklingError). The byte-flip fuzzer hits these in about
-    2% of examples; it rejects (hypothesis.reject) inputs whose exception escapes from torch.load.
+    1-2% of examples; it rejects (hypothesis.reject) inputs whose exception escapes from torch.load.
 When sources.py is fixed, drop the xfail marker and the exclusions marked KNOWN-BUG below.
 """
 
