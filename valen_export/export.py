@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from valen_runtime.safetensors_file import StreamingWriter, write_file
+from valen_runtime.safetensors_file import StreamingWriter
 
 from . import inventory
 from .errors import ExportError

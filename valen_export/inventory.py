@@ -95,7 +95,7 @@ def language_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 def vision_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Names (without prefix) and shapes of the vision tower's state dict."""
     vc = config["vision_config"]
-    h, inter, out = vc["hidden_size"], vc["intermediate_size"], vc["out_hidden_size"]
+    h, out = vc["hidden_size"], vc["out_hidden_size"]
     merged = h * vc["spatial_merge_size"] ** 2
     shapes: dict[str, tuple[int, ...]] = {
         "patch_embed.proj.weight": (h, vc["in_channels"], vc["temporal_patch_size"], vc["patch_size"], vc["patch_size"]),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,12 +65,19 @@ class Base:
     tensor_file: dict[str, str]  # tensor name -> file name
 
 
+def shown(name) -> str:
+    """A key as it can be shown on one line (control characters escaped)."""
+    return str(name).encode("unicode_escape").decode("ascii")
+
+
 def check_training_config(config: dict, expected: dict, where: str) -> None:
     for key, want in expected.items():
         if key not in config:
             raise ExportError(f"{where}: missing field {key!r} (expected {want!r})")
-        if config[key] != want:
-            raise ExportError(f"{where}: field {key!r} is {config[key]!r}, expected {want!r}")
+        got = config[key]
+        # Plain JSON scalars only: a tensor or container here would make `!=` ambiguous.
+        if not isinstance(got, (str, int, float, bool)) or isinstance(got, bool) != isinstance(want, bool) or got != want:
+            raise ExportError(f"{where}: field {key!r} is {shown(repr(got))[:80]}, expected {want!r}")
 
 
 def open_checkpoint(folder: Path, pins: dict, progress=None) -> Checkpoint:
@@ -94,14 +100,20 @@ def open_checkpoint(folder: Path, pins: dict, progress=None) -> Checkpoint:
         lines = [ln.strip() for ln in str(e).splitlines() if "Unsupported" in ln or "GLOBAL" in ln]
         first = lines[0].split(" was not")[0] if lines else type(e).__name__
         raise ExportError(f"{path}: refused by weights_only unpickling (it needs arbitrary code): {first}") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except Exception as e:  # noqa: BLE001 - a corrupt archive surfaces as many exception types inside torch.load
+        first = shown(str(e).strip().splitlines()[0]) if str(e).strip() else type(e).__name__
         raise ExportError(f"{path}: cannot be read as a torch.save archive (truncated or corrupt?): {first}") from None
     if not isinstance(payload, dict) or not isinstance(payload.get("weights"), dict):
         raise ExportError(f"{path}: expected a dict with a 'weights' dict (a Valen training checkpoint)")
+    bad_keys = [k for k in payload["weights"] if not isinstance(k, str)]
+    if bad_keys:
+        raise ExportError(f"{path}: payload['weights'] has non-string keys, e.g. {shown(repr(bad_keys[0]))[:80]}")
     if isinstance(payload.get("config"), dict):
         check_training_config(payload["config"], pins["expected_config"], f"{path} payload['config']")
-    return Checkpoint(folder, config, sha, payload["weights"], payload.get("base_manifest"))
+    base_manifest = payload.get("base_manifest")
+    if base_manifest is not None and not isinstance(base_manifest, dict):
+        raise ExportError(f"{path}: payload['base_manifest'] is a {type(base_manifest).__name__}, expected a dict or None")
+    return Checkpoint(folder, config, sha, payload["weights"], base_manifest)
 
 
 def weight_file_names(folder: Path) -> list[str]:
@@ -142,8 +154,12 @@ def open_base(folder: Path, pins: dict, checkpoint: Checkpoint, progress=None) -
             f"{folder / 'valen_manifest.json'}: revision {revision!r} differs from the checkpoint's base_manifest revision {ckpt_manifest.get('revision')!r}"
         )
     expected_hashes = ckpt_manifest.get("weight_sha256")
-    if not isinstance(expected_hashes, dict) or not expected_hashes:
-        raise ExportError(f"{checkpoint.folder / 'checkpoint.pt'}: base_manifest.weight_sha256 is missing or empty")
+    if (
+        not isinstance(expected_hashes, dict)
+        or not expected_hashes
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in expected_hashes.items())
+    ):
+        raise ExportError(f"{checkpoint.folder / 'checkpoint.pt'}: base_manifest.weight_sha256 must be a non-empty {{file: sha256}} object")
     names = weight_file_names(folder)
     if sorted(expected_hashes) != names:
         raise ExportError(
@@ -197,7 +213,7 @@ def check_trainable_set(checkpoint: Checkpoint, base: Base, pins: dict) -> dict[
     missing, unexpected = sorted(set(expected) - got), sorted(got - set(expected))
     if missing or unexpected:
         def show(xs):
-            return "[" + ", ".join(xs[:5]) + (f", ... {len(xs) - 5} more" if len(xs) > 5 else "") + "]"
+            return "[" + ", ".join(shown(x) for x in xs[:5]) + (f", ... {len(xs) - 5} more" if len(xs) > 5 else "") + "]"
         raise ExportError(f"{where}: trainable checkpoint mismatch: missing={show(missing)} unexpected={show(unexpected)}")
     counts = rule.get("counts", {})
     if counts.get("total") is not None and counts["total"] != len(expected):
@@ -206,6 +222,8 @@ def check_trainable_set(checkpoint: Checkpoint, base: Base, pins: dict) -> dict[
         t = checkpoint.weights[name]
         if not isinstance(t, torch.Tensor):
             raise ExportError(f"{where}: weights[{name!r}] is a {type(t).__name__}, expected a tensor")
+        if t.is_sparse or t.layout != torch.strided:
+            raise ExportError(f"{where}: weights[{name!r}] has layout {t.layout}, expected a dense tensor")
         if tuple(t.shape) != tuple(shape):
             raise ExportError(f"{where}: weights[{name!r}] has shape {list(t.shape)}, expected {list(shape)}")
         if DTYPE_NAMES.get(t.dtype) != dtype:

@@ -286,7 +286,8 @@ def causal_mask(q_len: int, past: int, dtype: torch.dtype, device: torch.device)
     q_pos = torch.arange(q_len, device=device)[:, None] + past
     k_pos = torch.arange(past + q_len, device=device)[None, :]
     allowed = k_pos <= q_pos
-    return torch.where(allowed, torch.tensor(0.0, dtype=dtype, device=device), torch.finfo(dtype).min)[None, None]
+    # torch.zeros, not torch.tensor(0.0, device=...): no host-to-device copy, so CUDA graphs can capture it.
+    return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)[None, None]
 
 
 class Attention(nn.Module):

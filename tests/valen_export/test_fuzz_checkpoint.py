@@ -6,18 +6,16 @@ weights_only unpickling, training config), `open_base` (the payload's base_manif
 base) and `check_trainable_set` (names, shapes, dtypes, finiteness). The pin is updated to each
 mutated file's hash, so the mutation itself is what is exercised, not the hash check.
 
-Known crashes of the reader (valen_export/sources.py, owned elsewhere) are pinned down by
-`test_known_reader_crashes` (strict xfail: it starts failing once they are fixed) and kept out of
-the random strategies meanwhile, so that the fuzzers keep guarding everything else:
+Crashes the fuzzer found in the reader (valen_export/sources.py), now fixed and kept as
+regression cases in `test_former_reader_crashes_are_clean_refusals`:
   - a non-string key in payload["weights"] (TypeError in check_trainable_set's sorted/join),
   - a truthy non-dict payload["base_manifest"] (AttributeError: .get in open_base),
   - a tensor as a payload["config"] value (RuntimeError: ambiguous truth value in check_training_config),
   - a weight name containing a newline (the ExportError message spans two lines),
   - a corrupt pickle inside the archive that makes torch's weights_only unpickler raise KeyError,
     IndexError, TypeError or AttributeError (open_checkpoint converts only RuntimeError, EOFError,
-    BadZipFile, ValueError, OSError and UnpicklingError). The byte-flip fuzzer hits these in about
-    1-2% of examples; it rejects (hypothesis.reject) inputs whose exception escapes from torch.load.
-When sources.py is fixed, drop the xfail marker and the exclusions marked KNOWN-BUG below.
+    BadZipFile, ValueError, OSError and UnpicklingError); the byte-flip fuzzer hit these in about
+    1-2% of examples.
 """
 
 from __future__ import annotations
@@ -25,15 +23,13 @@ from __future__ import annotations
 import copy
 import io
 import json
-import os
 import tempfile
-import traceback
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from valen_export.errors import ExportError
@@ -93,27 +89,17 @@ def test_byte_flips_and_truncations(source, data):
         raw[pos] ^= x
     if data.draw(st.booleans(), label="truncate"):
         raw = raw[: data.draw(st.integers(0, n - 1), label="length")]
-    try:
-        outcome = read_checkpoint(source, lambda p: p.write_bytes(bytes(raw)))
-    except Exception as e:
-        if escaped_from_torch_load(e):
-            reject()  # KNOWN-BUG, pinned by test_known_reader_crashes
-        raise
+    outcome = read_checkpoint(source, lambda p: p.write_bytes(bytes(raw)))
     if not flips and len(raw) < n:
         assert outcome != "ok"  # a truncated archive is never accepted
-
-
-def escaped_from_torch_load(e: BaseException) -> bool:
-    return any(f.filename.endswith(os.path.join("torch", "serialization.py")) for f in traceback.extract_tb(e.__traceback__))
 
 
 # -- structural: mutations of the payload dict --------------------------------------------------
 
 WRONG = [None, 0, 1.5, "x", b"x", [], [1, 2], {}, {"a": 1}, (1,), True, torch.zeros(2)]
 WRONG_VALUES = st.sampled_from(WRONG)
-# KNOWN-BUG exclusions (see the module docstring): no tensors as config values, no truthy non-dict base_manifest.
-NON_TENSOR_VALUES = st.sampled_from([v for v in WRONG if not isinstance(v, torch.Tensor)])
-FALSY_OR_DICT_VALUES = st.sampled_from([None, 0, "", [], {}, {"a": 1}, {"revision": 1}])
+NON_TENSOR_VALUES = WRONG_VALUES
+FALSY_OR_DICT_VALUES = st.sampled_from([None, 0, "", [], {}, {"a": 1}, {"revision": 1}, 1.5, "x", [1], torch.zeros(2)])
 DTYPES = st.sampled_from([torch.float16, torch.float64, torch.bfloat16, torch.float32, torch.int32, torch.int64, torch.bool, torch.uint8])
 TOP_KEYS = ["weights", "config", "base_manifest", "optimizer", "progress", "rng", "distributed"]
 
@@ -241,9 +227,7 @@ KNOWN_CRASHES = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="valen_export/sources.py: known reader crashes found by the fuzzer (reported); "
-                                       "strict, so this fails once they are fixed and the exclusions can go")
 @pytest.mark.parametrize("case", sorted(KNOWN_CRASHES))
-def test_known_reader_crashes(source, case):
+def test_former_reader_crashes_are_clean_refusals(source, case):
     outcome = read_checkpoint(source, KNOWN_CRASHES[case](source))
     assert outcome != "ok" and "\n" not in outcome

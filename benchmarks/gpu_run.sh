@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Everything this project measures on the GPU machine, in one call (device tool; see README "GPU set-up"):
+#   run: bash benchmarks/gpu_run.sh   with carry [".whl"]; results land in $OUT.
+# Steps (each bounded so the call ends inside its 10-minute limit and writes what it has):
+#   1. install the carried pinned stack into /tmp/site and fla-core into /tmp/site-fla (the
+#      reference's process drops the latter from PYTHONPATH and blocks the import),
+#   2. the gpu-marked tests (fast paths vs reference paths),
+#   3. benchmarks/latency.py on the 2b preset (reference path vs runtime modes, one run),
+#   4. valen-parity on the 2b preset: bf16 per-branch and shared-prefix, fp32 per-branch, both LoRA modes.
+set -uo pipefail
+FINAL=${OUT:-/tmp/valen-gpu-out}
+OUT=/tmp/valen-gpu-results  # many small files; packed into one archive at the end ($OUT takes 8 files)
+rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
+STEPS=${STEPS:-"tests latency parity"}
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/transformers-*.whl .whl/tokenizers-*.whl .whl/peft-*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl || exit 1
+export PYTHONPATH="$PWD:/tmp/site:/tmp/site-fla"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
+python3 -c "import torch, transformers, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)" >> "$OUT/gpu.txt" 2>&1
+WORK=/tmp/valen-bench
+
+if [[ " $STEPS " == *" tests "* ]]; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/test_fast.py > "$OUT/gpu-tests.log" 2>&1
+  tail -3 "$OUT/gpu-tests.log"
+fi
+
+if [[ " $STEPS " == *" latency "* ]]; then
+  timeout ${LATENCY_TIMEOUT:-330} python3 benchmarks/latency.py --work "$WORK" --out "$OUT/latency.json" --iters 10 --warmup 3 --ref-iters 3 > "$OUT/latency.log" 2>&1
+  grep -E "median|ready|done|ERROR" "$OUT/latency.log" | tail -30
+fi
+
+if [[ " $STEPS " == *" parity "* ]]; then
+  FX="$WORK/fixture-2b"
+  if [ ! -d "$WORK/export-2b-merged" ]; then
+    python3 -c "from valen_export.export import export; from pathlib import Path; f=Path('$FX'); export(f/'checkpoint', f/'base', Path('$WORK/export-2b-merged'), lora_mode='merged', pins_path=f/'pins.json', progress=False)"
+  fi
+  for spec in "separate bf16 per-branch" "separate bf16 shared-prefix" "merged bf16 per-branch" "separate fp32 per-branch" "merged fp32 per-branch"; do
+    set -- $spec
+    timeout 120 python3 -m parity.cli --export "$WORK/export-2b-$1" --checkpoint "$FX/checkpoint" --base "$FX/base" --pins "$FX/pins.json" \
+      --case all --device cuda --dtype "$2" --mode "$3" --report "$OUT/parity-$1-$2-$3.json" > "$OUT/parity-$1-$2-$3.log" 2>&1
+    echo "parity $spec: exit $?"; tail -4 "$OUT/parity-$1-$2-$3.log"
+  done
+fi
+ls -la "$OUT"
+tar -czf "$FINAL/gpu-results.tar.gz" -C "$OUT" .
+cp "$OUT/latency.json" "$FINAL/" 2>/dev/null || true
