@@ -53,6 +53,8 @@ def run(
     tolerances_path: Path,
     threads: int | None,
     reference_cache: Path | None,
+    kernels: str | None = None,
+    graphs: bool | None = None,
 ) -> dict:
     """The whole run; returns the report. Raises harness.UsageProblem for exit-2 problems."""
     import torch
@@ -97,7 +99,7 @@ def run(
     problems = harness.check_pins(pins_data, manifest, ref, base)
     if problems:
         raise harness.UsageProblem("; ".join(problems))
-    setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads)
+    setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads, kernels, graphs)
     previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -121,8 +123,10 @@ def run(
 @click.option("--valen-source", type=click.Path(path_type=str), default=None, help="A Liuziyu77/Valen checkout at the pinned commit: use its own builder, loader and compiler as the reference.")
 @click.option("--tolerances", "tolerances_path", type=click.Path(path_type=Path), default=tolerances.DEFAULT_PATH, show_default=True, help="Declared tolerances.")
 @click.option("--threads", type=int, default=None, help="torch threads on both sides (default: torch's default).")
+@click.option("--kernels", type=click.Choice(["torch", "fast"]), default=None, help="Runtime kernels at the model's seams (default: the engine's choice: fast for CUDA shared-prefix, else torch).")
+@click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=None, help="Runtime CUDA-graph replay (default: the engine's choice: on for CUDA shared-prefix).")
 @click.option("--reference-cache", type=click.Path(path_type=Path), default=None, help="Reuse reference results across runs (keyed by checkpoint/base/requests/dtype/device hashes).")
-def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, report_path, valen_source, tolerances_path, threads, reference_cache):
+def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, report_path, valen_source, tolerances_path, threads, kernels, graphs, reference_cache):
     """Compare the runtime on EXPORT with the Valen reference rebuilt from CHECKPOINT + BASE.
 
     \b
@@ -130,7 +134,7 @@ def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pin
       valen-parity --export build/export --checkpoint ckpt --base qwen --case all --dtype fp32 --report r.json
     """
     try:
-        report = run(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, valen_source, tolerances_path, threads, reference_cache)
+        report = run(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, valen_source, tolerances_path, threads, reference_cache, kernels, graphs)
     except harness.UsageProblem as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tolerances", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1: the tiny model gains nothing from more)")
     ap.add_argument("--case", default="all")
+    ap.add_argument("--kernels", choices=["torch", "fast"], default=None, help="runtime kernels (default: the engine's choice)")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="turn the runtime's CUDA-graph replay off")
     ap.add_argument("--device", default="cpu", help="cpu (the CI gate) or cuda (GPU measurements; CUDA tolerance entries)")
     args = ap.parse_args(argv)
 
@@ -57,6 +59,7 @@ def main(argv=None) -> int:
             report = run(
                 exports[lora], fx.checkpoint, fx.base, args.case, None, args.device, dtype, mode, fx.pins, None,
                 args.tolerances or tolerances.DEFAULT_PATH, args.threads, out / "reference-cache",
+                kernels=args.kernels, graphs=False if args.no_cuda_graphs else None,
             )
         except harness.UsageProblem as e:
             print(f"error: {lora}/{dtype}/{mode}: {e}", file=sys.stderr)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -433,6 +434,9 @@ class Setup:
     mode: str = "per-branch"
     valen_source: str | None = None
     threads: int | None = None
+    # Passed to Engine.load when set (None = the engine's own default for the device and mode).
+    kernels: str | None = None
+    graphs: bool | None = None
 
 
 def manifest_info(export: Path) -> tuple[dict, str]:
@@ -475,9 +479,10 @@ def evaluate(setup: Setup, requests: list[tuple[str, str, dict]], ref: Reference
     from valen_runtime.errors import RequestError, ValenError
 
     if engine is None:
+        options = {k: v for k, v in (("kernels", setup.kernels), ("graphs", setup.graphs)) if v is not None}
         try:
-            engine = Engine.load(setup.export, device=setup.device, dtype=setup.dtype, verify="size", mode=setup.mode)
-        except (ValenError, OSError, ValueError) as e:
+            engine = Engine.load(setup.export, device=setup.device, dtype=setup.dtype, verify="size", mode=setup.mode, **options)
+        except (ValenError, OSError, ValueError, TypeError) as e:
             raise UsageProblem(f"runtime could not load {setup.export}: {e}") from None
     entries = []
     for case, name, req in requests:
@@ -487,6 +492,13 @@ def evaluate(setup: Setup, requests: list[tuple[str, str, dict]], ref: Reference
             rt = engine.run(req)
         except RequestError as e:
             err = f"RequestError: {e}"
+        except Exception as e:  # a runtime crash on a request is a parity failure, reported per request
+            entry = compare_request(case, name, ref.by_id[rid], None, None, f"{type(e).__name__}: {e}", tol)
+            entry["verdict"] = "fail"
+            entry["problems"] = [f"runtime raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
+            entry["runtime_exception"] = traceback.format_exception_only(type(e), e)[-1].strip()
+            entries.append(entry)
+            continue
         entries.append(compare_request(case, name, ref.by_id[rid], ref.pixel_values(rid), rt, err, tol))
     return build_report(setup, entries, ref, tol, manifest, manifest_sha, runtime_environment(engine, setup.threads))
 
@@ -529,6 +541,7 @@ def build_report(setup: Setup, entries: list[dict], ref: ReferenceRun, tol: Tole
             "mode": setup.mode,
             "lora": manifest["lora"]["mode"],
             "threads": setup.threads,
+            "engine_options": {"kernels": setup.kernels, "graphs": setup.graphs},
         },
         "export_manifest_sha256": manifest_sha,
         "export": {"format": manifest.get("format"), "exporter": manifest.get("exporter"), "source": manifest.get("source"), "lora": manifest.get("lora")},
