@@ -39,6 +39,7 @@ class LoadedModel:
 
 
 def _read_prefixed(files: list[Path], prefix: str, expected_dtype: str) -> dict[str, torch.Tensor]:
+    """Read every tensor of `files` (names must start with `prefix`, dtypes must match, values finite)."""
     out: dict[str, torch.Tensor] = {}
     for path in files:
         sf = SafetensorsFile(path)
@@ -51,6 +52,8 @@ def _read_prefixed(files: list[Path], prefix: str, expected_dtype: str) -> dict[
             if short in out:
                 raise WeightsError(f"{path}: duplicate tensor {name!r}")
         for name, t in sf.iter_tensors():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise WeightsError(f"{path}: tensor {name!r} holds non-finite values")
             out[name[len(prefix):]] = t
     return out
 
@@ -65,8 +68,6 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], where: str,
     for name, t in state.items():
         if tuple(t.shape) != tuple(expected[name].shape):
             raise WeightsError(f"{where}: {name} has shape {list(t.shape)}, the model expects {list(expected[name].shape)}")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise WeightsError(f"{where}: {name} holds non-finite values")
     placed = {n: t.to(device=device, dtype=dtype) for n, t in state.items()}
     module.load_state_dict(placed, strict=True, assign=True)
 
@@ -101,6 +102,9 @@ def load_model(export_dir: str | Path, device: str | torch.device = "cpu", dtype
     lora = manifest.data["lora"]
     if lora.get("mode") == "separate":
         adapter = _read_prefixed([manifest.path(lora["file"])], lora["key_prefix"], "F32")
+        ranks = {t.shape[0] for n, t in adapter.items() if n.endswith(".lora_A.weight")}
+        if ranks != {lora.get("rank")}:
+            raise WeightsError(f"{manifest.path(lora['file'])}: LoRA ranks {sorted(ranks)} differ from the manifest's lora.rank {lora.get('rank')}")
         scale = lora.get("scale")
         if not isinstance(scale, (int, float)) or not scale > 0:
             raise WeightsError(f"{manifest.root / 'valen_export.json'}: lora.scale must be a positive number")

@@ -349,9 +349,7 @@ CASES = [
     header_oversized, header_past_eof, offsets_past_data, overlapping_tensors, trailing_bytes,
     duplicate_json_key, duplicate_tensor_across_files, wrong_dtype, wrong_shape,
     nan_vision, inf_language,
-    pytest.param(nan_adapter, marks=pytest.mark.xfail(
-        reason="weights.load_model does not check adapter (LoRA) tensors for finiteness (valen-verify does); reported to the weights.py owner",
-        raises=AssertionError, strict=False)),
+    nan_adapter,
     bad_dtype_type, bool_in_shape, bad_metadata, deeply_nested_header,
     unlisted_file, missing_file, fifo_instead_of_file,
     manifest_bad_record, manifest_duplicate_key, manifest_missing_field, manifest_symlink,
