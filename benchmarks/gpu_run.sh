@@ -18,15 +18,18 @@ export PYTHONPATH="$PWD:/tmp/site:/tmp/site-fla"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
 python3 -c "import torch, transformers, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)" >> "$OUT/gpu.txt" 2>&1
-WORK=/tmp/valen-bench
+WORK=${WORK:-$PWD/build/gpu-bench}  # inside the repo (ignored): kept between calls while the machine stays warm
+BUDGET=${BUDGET:-560}
+left() { local l=$((BUDGET - SECONDS)); echo $(( l > 5 ? l : 5 )); }
+cap() { local l; l=$(left); echo $(( $1 < l ? $1 : l )); }
 
 if [[ " $STEPS " == *" tests "* ]]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/test_fast.py > "$OUT/gpu-tests.log" 2>&1
+  timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/test_fast.py > "$OUT/gpu-tests.log" 2>&1
   tail -3 "$OUT/gpu-tests.log"
 fi
 
 if [[ " $STEPS " == *" latency "* ]]; then
-  timeout ${LATENCY_TIMEOUT:-330} python3 benchmarks/latency.py --work "$WORK" --out "$OUT/latency.json" --iters 10 --warmup 3 --ref-iters 3 > "$OUT/latency.log" 2>&1
+  timeout $(cap ${LATENCY_TIMEOUT:-330}) python3 benchmarks/latency.py --work "$WORK" --out "$OUT/latency.json" --iters 10 --warmup 3 --ref-iters 3 > "$OUT/latency.log" 2>&1
   grep -E "median|ready|done|ERROR" "$OUT/latency.log" | tail -30
 fi
 
@@ -35,9 +38,10 @@ if [[ " $STEPS " == *" parity "* ]]; then
   if [ ! -d "$WORK/export-2b-merged" ]; then
     python3 -c "from valen_export.export import export; from pathlib import Path; f=Path('$FX'); export(f/'checkpoint', f/'base', Path('$WORK/export-2b-merged'), lora_mode='merged', pins_path=f/'pins.json', progress=False)"
   fi
-  for spec in "separate bf16 per-branch" "separate bf16 shared-prefix" "merged bf16 per-branch" "separate fp32 per-branch" "merged fp32 per-branch"; do
-    set -- $spec
-    timeout 120 python3 -m parity.cli --export "$WORK/export-2b-$1" --checkpoint "$FX/checkpoint" --base "$FX/base" --pins "$FX/pins.json" \
+  for spec in ${PARITY_SPECS:-"separate:bf16:per-branch" "separate:bf16:shared-prefix" "merged:bf16:per-branch" "separate:fp32:per-branch"}; do
+    set -- ${spec//:/ }
+    [ "$(left)" -gt 40 ] || { echo "parity $spec: skipped (time)"; continue; }
+    timeout $(cap 120) python3 -m parity.cli --export "$WORK/export-2b-$1" --checkpoint "$FX/checkpoint" --base "$FX/base" --pins "$FX/pins.json" \
       --case all --device cuda --dtype "$2" --mode "$3" --report "$OUT/parity-$1-$2-$3.json" > "$OUT/parity-$1-$2-$3.log" 2>&1
     echo "parity $spec: exit $?"; tail -4 "$OUT/parity-$1-$2-$3.log"
   done
