@@ -23,11 +23,6 @@ BUDGET=${BUDGET:-560}
 left() { local l=$((BUDGET - SECONDS)); echo $(( l > 5 ? l : 5 )); }
 cap() { local l; l=$(left); echo $(( $1 < l ? $1 : l )); }
 
-if [[ " $STEPS " == *" tests "* ]]; then
-  timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/test_fast.py > "$OUT/gpu-tests.log" 2>&1
-  tail -3 "$OUT/gpu-tests.log"
-fi
-
 if [[ " $STEPS " == *" latency "* ]]; then
   timeout $(cap ${LATENCY_TIMEOUT:-330}) python3 benchmarks/latency.py --work "$WORK" --out "$OUT/latency.json" --iters 10 --warmup 3 --ref-iters 3 > "$OUT/latency.log" 2>&1
   grep -E "median|ready|done|ERROR" "$OUT/latency.log" | tail -30
@@ -46,6 +41,11 @@ if [[ " $STEPS " == *" parity "* ]]; then
     echo "parity $spec: exit $?"; tail -4 "$OUT/parity-$1-$2-$3.log"
   done
 fi
+if [[ " $STEPS " == *" tests "* ]]; then
+  timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/test_fast.py > "$OUT/gpu-tests.log" 2>&1
+  tail -3 "$OUT/gpu-tests.log"
+fi
+
 ls -la "$OUT"
 tar -czf "$FINAL/gpu-results.tar.gz" -C "$OUT" .
 cp "$OUT/latency.json" "$FINAL/" 2>/dev/null || true
