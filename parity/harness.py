@@ -411,7 +411,7 @@ def compare_request(case: str, name: str, ref: dict, ref_pixels, rt, rt_error: s
         formula_problems.append(f"response answers order {list(rt_answers)}; expected {[q['qid'] for q in prompt['questions']]}")
     if formula_max > tol.answer_formula_max_abs:
         formula_problems.append(f"response numbers differ from §10 on the runtime's own logits by {formula_max:.3g} > {tol.answer_formula_max_abs:g}")
-    entry["checks"]["answer_formula"] = {"ok": not formula_problems, "max_abs": formula_max, "problems": formula_problems}
+    entry["checks"]["answer_formula"] = {"ok": not formula_problems, "max_abs": formula_max if math.isfinite(formula_max) else None, "problems": formula_problems}
     for name_, check in entry["checks"].items():
         entry["problems"] += [f"{name_}: {p}" for p in check["problems"]]
     bad_q = [q for q in entry["questions"] if q["verdict"] != "pass"]

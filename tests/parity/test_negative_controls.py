@@ -130,3 +130,24 @@ def test_shared_prefix_mode_within_its_tolerance(tiny_export, bf16_reference, al
     report = _evaluate(tiny_export["separate"], bf16_reference, _subset(all_cases), mode=mode)
     assert report["verdict"] == "pass", harness.table(report)
     assert report["tolerance"]["mode"] == mode
+
+
+def test_runtime_crash_is_a_reported_failure(tiny_export, bf16_reference, all_cases, monkeypatch):
+    from valen_runtime.engine import Engine
+
+    engine = Engine.load(tiny_export["separate"], device="cpu", dtype="bf16", mode="per-branch")
+    original = engine.run
+
+    def crash_on_images(request):
+        if isinstance(request["state"], dict) and "image" in request["state"]:
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+        return original(request)
+
+    monkeypatch.setattr(engine, "run", crash_on_images)
+    requests = [(c, n, r) for c, n, r in all_cases if f"{c}/{n}" in ("text/refund", "image/small_png")]
+    report = _evaluate(tiny_export["separate"], bf16_reference, requests, engine=engine)
+    assert report["verdict"] == "fail"
+    ok, crashed = report["requests"]
+    assert ok["verdict"] == "pass"
+    assert crashed["verdict"] == "fail" and crashed["problems"] == ["runtime raised RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture"]
+    assert "FAIL: runtime raised RuntimeError" in harness.table(report)
