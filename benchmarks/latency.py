@@ -94,9 +94,11 @@ def main() -> None:
         build_fixture(fx_dir, preset=args.preset, seed=0)
     print(f"fixture ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     exp = args.work / f"export-{args.preset}-separate"
+    exp_merged = args.work / f"export-{args.preset}-merged"
     t = time.perf_counter()
-    if not (exp / "valen_export.json").exists():
-        export(fx_dir / "checkpoint", fx_dir / "base", exp, lora_mode="separate", pins_path=fx_dir / "pins.json", progress=False)
+    for mode, path in (("separate", exp), ("merged", exp_merged)):
+        if not (path / "valen_export.json").exists():
+            export(fx_dir / "checkpoint", fx_dir / "base", path, lora_mode=mode, pins_path=fx_dir / "pins.json", progress=False)
     print(f"export ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
 
     reqs = benchmark_requests()
@@ -128,6 +130,7 @@ def main() -> None:
         ("shared-prefix (torch)", dict(mode="shared-prefix", kernels="torch", graphs=False)),
         ("shared-prefix (fast kernels)", dict(mode="shared-prefix", kernels="fast", graphs=False)),
         ("shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True)),
+        ("merged LoRA: shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True, merged=True)),
     ]
     if args.device != "cuda":
         configs = configs[:2]
@@ -139,9 +142,14 @@ def main() -> None:
     models = {"torch": load_model(exp, device=args.device, dtype="bf16")}
     if any(kw["kernels"] == "fast" for _, kw in configs):
         models["fast"] = load_model(exp, device=args.device, dtype="bf16")
+        models["fast-merged"] = load_model(exp_merged, device=args.device, dtype="bf16")
     prompt = models["torch"].manifest.data["prompt"]
     compiler = Compiler.from_dir(exp, max_length=prompt["max_length"], media_kwargs=prompt.get("media_kwargs") or {})
-    engines = {label: Engine(models[kw["kernels"]], compiler, **kw) for label, kw in configs}
+    engines = {}
+    for label, kw in configs:
+        kw = dict(kw)
+        key = kw["kernels"] + ("-merged" if kw.pop("merged", False) else "")
+        engines[label] = Engine(models[key], compiler, **kw)
     for name, req in reqs.items():
         row = {"modes": {}}
         if name in ref:
@@ -149,6 +157,8 @@ def main() -> None:
         compiled = engines[configs[0][0]].compiler.compile(req)
         for label, kw in configs:
             engine = engines[label]
+            if args.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             try:
                 slow = kw["mode"] == "per-branch"  # reference-shaped: as slow as the reference, fewer repeats
                 times, result = time_engine(engine, req, 3 if slow else args.iters, 1 if slow else args.warmup)
@@ -158,6 +168,9 @@ def main() -> None:
                 continue
             entry = stats(times)
             entry["kernels"] = engine.kernels
+            entry["compile_ms"] = result.timings["compile_s"] * 1e3  # request parsing, tokenizer, image preprocessing (last run)
+            if args.device == "cuda":
+                entry["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if name in ref:
                 rp, fp = probs(ref[name]["logits"]), probs(result.logits)
                 entry["max_abs_dp_vs_reference"] = max(abs(a - b) for x, y in zip(rp, fp) for a, b in zip(x, y))

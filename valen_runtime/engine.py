@@ -62,7 +62,7 @@ class Engine:
         if kernels == "fast":
             from .fast import enable_fast_paths
 
-            self.kernels = enable_fast_paths(model.text)
+            self.kernels = enable_fast_paths(model.text, model.vision, dtype=model.dtype, compile=model.device.type == "cuda")
         self.graphs = None
         if graphs:
             from .fast import GraphCache
@@ -113,17 +113,16 @@ class Engine:
         m = self.model
         embeds = m.text.embed(torch.tensor([ids], device=m.device))  # [1, T, H]
         if features is not None:
-            # HF's masked_scatter: image features replace the <|image_pad|> embeddings in order.
-            embeds[0, image_mask] = features.to(embeds.dtype)
+            # As HF: image features replace the <|image_pad|> embeddings in order (no host sync).
+            embeds = embeds.masked_scatter(image_mask.view(1, -1, 1), features.to(embeds.dtype))
         return embeds
 
     @torch.no_grad()
     def question_logits(self, compiled: CompiledRequest) -> list[torch.Tensor]:
         features = self.image_features(compiled)
-        if self.mode == "per-branch":
-            rows = self._per_branch(compiled, features)
-        else:
-            rows = self._shared_prefix(compiled, features)
+        if self.mode == "shared-prefix":
+            return self._shared_prefix(compiled, features)
+        rows = self._per_branch(compiled, features)
         out = []
         for q, branch_rows in zip(compiled.questions, rows):
             logits = torch.cat([self.model.head.logits(c, d) for c, d in branch_rows])  # [K] fp32
@@ -150,7 +149,7 @@ class Engine:
             rows.append(q_rows)
         return rows
 
-    def _shared_prefix(self, compiled: CompiledRequest, features) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _shared_prefix(self, compiled: CompiledRequest, features) -> list[torch.Tensor]:
         m, st = self.model, compiled.state
         merge = m.config.vision_config.spatial_merge_size
         P = len(st.input_ids)
@@ -183,15 +182,27 @@ class Engine:
             key = ("suffix", cut, N, longest)
             (hidden,) = self.graphs.run(key, lambda e, p, *s: (self._suffix_hidden(e, p, *s),), [rows_embeds, rows_pos, *state])
 
-        rows, k = [], 0
+        # The head for every branch at once: gather candidate and decision rows, project in FP32.
+        L = hidden.shape[1]
+        cand_rows, cand_branch, dec_rows = [], [], []
+        for k, br in enumerate(branches):
+            cand_rows += [k * L + p - cut for p in br.candidate_positions]
+            cand_branch += [k] * len(br.candidate_positions)
+            dec_rows.append(k * L + br.decision_position - cut)
+        index = torch.tensor(cand_rows + dec_rows + cand_branch, device=m.device)
+        n_c = len(cand_rows)
+        flat = hidden.reshape(N * L, -1)
+        head = m.head
+        c = head.candidate(flat[index[:n_c]].float())  # [C, P]
+        d = head.decision(flat[index[n_c : n_c + N]].float())  # [N, P]
+        logits = (c * d[index[n_c + N :]]).sum(-1) / head.scale  # [C]
+        per_question = [len(br.candidate_positions) for br in branches]
+        per_branch = list(logits.split(per_question))
+        out, k = [], 0
         for q in compiled.questions:
-            q_rows = []
-            for br in q.branches:
-                rel_c = [p - cut for p in br.candidate_positions]
-                q_rows.append((hidden[k, rel_c], hidden[k, br.decision_position - cut]))
-                k += 1
-            rows.append(q_rows)
-        return rows
+            out.append(torch.cat(per_branch[k : k + len(q.branches)]))
+            k += len(q.branches)
+        return out
 
     # The two phases as pure tensor functions (capturable as CUDA graphs). The state is a flat
     # tuple: per GDN layer (conv tail [1, C, K-1], recurrent state [1, Hv, Dk, Dv] fp32), per

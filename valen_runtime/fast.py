@@ -6,8 +6,13 @@
   differs from the reference path.
 - `sdpa_attention`: PyTorch's scaled_dot_product_attention with the same signature as
   `qwen35.eager_attention` (GQA handled by the kernel).
+- `FusedProjection`: projections that read the same input (GDN qkv/z/b/a, attention q/k/v, MLP
+  gate/up) as one GEMM, and their FP32 LoRA adapters as one A GEMM and one block-diagonal B GEMM
+  (scale folded into B).
+- `compile_elementwise`: the norm and gate chains as torch.compile'd kernels (one launch each
+  instead of ~8).
 - `GraphCache`: captures a forward once per input-shape key and replays it, so a warm request
-  launches one graph instead of hundreds of kernels.
+  launches one graph instead of thousands of kernels.
 Nothing here changes what is computed; valen-parity measures the rounding difference under its
 own declared tolerance entry. The pure-PyTorch paths stay the CPU path and the fallback.
 """
@@ -17,10 +22,16 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+import logging
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from . import qwen35
 from .gated_delta import l2norm
+
+log = logging.getLogger(__name__)
 
 _FLA = None
 
@@ -67,16 +78,97 @@ def fla_chunk_gated_delta_rule(
     return o.to(v.dtype), (final.float() if output_final_state else None)
 
 
+def sdpa_vision_attention(q, k, v, scaling):
+    """Vision (one image, unmasked): q, k, v [1, Hh, n, D] -> [1, n, Hh, D]."""
+    return F.scaled_dot_product_attention(q, k, v, scale=scaling).transpose(1, 2).contiguous()
+
+
 def sdpa_attention(q, k, v, mask, scaling):
     """q [B, Hq, T, D], k / v [B, Hk, S, D], additive mask [.., T, S] -> [B, T, Hq, D]."""
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2).contiguous()
 
 
-def enable_fast_paths(text_model, vision_model=None) -> dict:
-    """Swap the CUDA kernels in at the model's seams; returns what was enabled (for reports)."""
-    enabled = {"gated_delta": "torch", "attention": "eager"}
-    use_fla = fla_available()
+class FusedProjection(nn.Module):
+    """Several bias-free projections of one input as one GEMM; outputs split back in order.
+
+    The members' weights become row-block views of the fused matrix (no second copy). With FP32
+    LoRA adapters: x.float() @ [A_1; ...; A_n]^T, then one block-diagonal B with each block
+    pre-multiplied by its scale, added to the base result in fp32 and cast once, as PEFT does per
+    projection (only the order of a few fp32 roundings differs).
+    """
+
+    def __init__(self, members: list):
+        super().__init__()
+        self.splits = [m.out_features for m in members]
+        weight = torch.cat([m.weight.detach() for m in members])  # [sum(out), in]
+        row = 0
+        for m in members:
+            m.weight = nn.Parameter(weight[row : row + m.out_features], requires_grad=False)
+            row += m.out_features
+        self.register_buffer("weight", weight, persistent=False)
+        self.lora_A = self.lora_B = None
+        if any(m.lora_A is not None for m in members):
+            if not all(m.lora_A is not None for m in members):
+                raise ValueError("cannot fuse projections where only some carry a LoRA adapter")
+            self.lora_A = torch.cat([m.lora_A.weight.detach() for m in members])  # [n*r, in] fp32
+            self.lora_B = torch.block_diag(*[m.lora_B.weight.detach() * m.lora_scale for m in members])  # [sum(out), n*r]
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        out = F.linear(x, self.weight)
+        if self.lora_A is not None:
+            out = (out + F.linear(F.linear(x.float(), self.lora_A), self.lora_B)).to(out.dtype)
+        return list(out.split(self.splits, dim=-1))
+
+
+def fuse_projections(text_model) -> None:
+    for layer in text_model.layers:
+        if hasattr(layer, "linear_attn"):
+            gdn = layer.linear_attn
+            gdn.fused_in_proj = FusedProjection([gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a])
+        else:
+            att = layer.self_attn
+            att.fused_qkv = FusedProjection([att.q_proj, att.k_proj, att.v_proj])
+        layer.mlp.fused_gate_up = FusedProjection([layer.mlp.gate_proj, layer.mlp.up_proj])
+
+
+class _CompiledOr:
+    """torch.compile(fn), falling back to fn for good (with a warning) if compilation fails."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        self.failed = None
+
+    def __call__(self, *args):
+        if self.failed is None:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # an inductor/triton problem must not take the engine down
+                self.failed = f"{type(e).__name__}: {e}"
+                log.warning("torch.compile of %s failed, using eager: %s", self.fn.__name__, self.failed)
+        return self.fn(*args)
+
+
+def compile_elementwise(text_model) -> dict:
+    fns = {name: _CompiledOr(getattr(qwen35, name)) for name in ("rms_norm", "rms_norm_gated", "decay_and_beta")}
+    for module in text_model.modules():
+        if isinstance(module, qwen35.RMSNorm):
+            module.norm_fn = fns["rms_norm"]
+        elif isinstance(module, qwen35.RMSNormGated):
+            module.norm_fn = fns["rms_norm_gated"]
+        elif isinstance(module, qwen35.GatedDeltaNet):
+            module.gates_fn = fns["decay_and_beta"]
+    return fns
+
+
+def enable_fast_paths(text_model, vision_model=None, dtype: torch.dtype = torch.bfloat16, compile: bool = True) -> dict:
+    """Swap the CUDA kernels in at the model's seams; returns what was enabled (for reports).
+
+    FLA's Triton products run in TF32 for fp32 inputs, so fp32 models keep the PyTorch delta rule.
+    """
+    enabled = {"gated_delta": "torch", "attention": "eager", "projections": "fused", "elementwise": "eager", "vision_attention": "eager"}
+    use_fla = fla_available() and dtype != torch.float32
     for layer in text_model.layers:
         if hasattr(layer, "linear_attn") and use_fla:
             layer.linear_attn.delta_rule = fla_chunk_gated_delta_rule
@@ -84,6 +176,14 @@ def enable_fast_paths(text_model, vision_model=None) -> dict:
         if hasattr(layer, "self_attn"):
             layer.self_attn.attention_core = sdpa_attention
             enabled["attention"] = "sdpa"
+    fuse_projections(text_model)
+    if vision_model is not None:
+        for block in vision_model.blocks:
+            block.attn.attention_core = sdpa_vision_attention
+        enabled["vision_attention"] = "sdpa"
+    if compile:
+        compile_elementwise(text_model)
+        enabled["elementwise"] = "torch.compile"
     return enabled
 
 

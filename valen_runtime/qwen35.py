@@ -111,36 +111,44 @@ def attach_lora(model: nn.Module, adapter: dict[str, torch.Tensor], scale: float
 # Norms, rotary embedding, MLP
 
 
-class RMSNorm(nn.Module):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3_5RMSNorm: normalise in fp32, scale by (1 + w) in fp32, one cast back."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
 
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3_5RMSNormGated: plain weight; normalise in fp32, cast, times w, times silu(gate) in fp32."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    # w * h runs in the weight's dtype (bf16 x bf16 in the reference, whose weight is bf16-rounded).
+    h = weight * h.to(dtype)
+    h = h * F.silu(gate.to(torch.float32))
+    return h.to(dtype)
+
+
+class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
+        self.norm_fn = rms_norm  # seam: a fused (compiled) kernel computing the same thing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return self.norm_fn(x, self.weight, self.eps)
 
 
 class RMSNormGated(nn.Module):
-    """Qwen3_5RMSNormGated: plain weight; normalise in fp32, cast, times w, times silu(gate) in fp32."""
-
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.norm_fn = rms_norm_gated  # seam, as RMSNorm's
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        # w * h runs in the weight's dtype (bf16 x bf16 in the reference, whose weight is bf16-rounded).
-        h = self.weight * h.to(dtype)
-        h = h * F.silu(gate.to(torch.float32))
-        return h.to(dtype)
+        return self.norm_fn(x, gate, self.weight, self.eps)
 
 
 class TextRotaryEmbedding(nn.Module):
@@ -208,9 +216,11 @@ class MLP(nn.Module):
         self.gate_proj = LoRALinear(cfg.hidden_size, cfg.intermediate_size)
         self.up_proj = LoRALinear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = LoRALinear(cfg.intermediate_size, cfg.hidden_size)
+        self.fused_gate_up = None  # seam: one GEMM for both projections (fast.fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, I] -> [B, T, H]
+        gate, up = self.fused_gate_up(x) if self.fused_gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)  # [B, T, I] -> [B, T, H]
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,6 +315,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.attention_core = eager_attention  # seam for an SDPA / flash fast path
+        self.fused_qkv = None  # seam: one GEMM for q, k, v (fast.fuse_projections)
 
     def forward(
         self,
@@ -317,11 +328,15 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         D = self.head_dim
         # q_proj packs [query | gate] per head: [B, T, Hq, 2D] -> two [B, T, Hq, D]
-        q, gate = torch.chunk(self.q_proj(x).view(B, T, -1, D * 2), 2, dim=-1)
+        if self.fused_qkv is not None:
+            q_out, k_out, v_out = self.fused_qkv(x)
+        else:
+            q_out, k_out, v_out = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = torch.chunk(q_out.reshape(B, T, -1, D * 2), 2, dim=-1)
         gate = gate.reshape(B, T, -1)  # [B, T, Hq*D]
-        q = self.q_norm(q.view(B, T, -1, D)).transpose(1, 2)  # [B, Hq, T, D]
-        k = self.k_norm(self.k_proj(x).view(B, T, -1, D)).transpose(1, 2)  # [B, Hk, T, D]
-        v = self.v_proj(x).view(B, T, -1, D).transpose(1, 2)  # [B, Hk, T, D]
+        q = self.q_norm(q.reshape(B, T, -1, D)).transpose(1, 2)  # [B, Hq, T, D]
+        k = self.k_norm(k_out.reshape(B, T, -1, D)).transpose(1, 2)  # [B, Hk, T, D]
+        v = v_out.reshape(B, T, -1, D).transpose(1, 2)  # [B, Hk, T, D]
         q, k = apply_rotary(q, k, cos, sin)
 
         if cache is not None:
@@ -369,6 +384,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNormGated(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = LoRALinear(self.value_dim, cfg.hidden_size)
         self.delta_rule = chunk_gated_delta_rule  # seam for a CUDA kernel with the same signature
+        self.fused_in_proj = None  # seam: one GEMM for qkv, z, b, a (fast.fuse_projections)
+        self.gates_fn = decay_and_beta  # seam: a fused kernel for g and beta
 
     def _conv(self, mixed: torch.Tensor, cache: TextCache | None) -> torch.Tensor:
         """Causal depthwise conv + SiLU over mixed [B, C, T]; updates the cached conv inputs."""
@@ -390,10 +407,13 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: TextCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
-        z = self.in_proj_z(x).reshape(B, T, -1, self.head_v_dim)  # [B, T, Hv, Dv]
-        b = self.in_proj_b(x)  # [B, T, Hv]
-        a = self.in_proj_a(x)  # [B, T, Hv]
+        if self.fused_in_proj is not None:
+            mixed, z, b, a = self.fused_in_proj(x)
+        else:
+            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        mixed = mixed.transpose(1, 2)  # [B, C, T]
+        z = z.reshape(B, T, -1, self.head_v_dim)  # [B, T, Hv, Dv]
+        # b, a: [B, T, Hv]
 
         mixed = self._conv(mixed, cache).transpose(1, 2)  # [B, T, C]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -401,9 +421,7 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(B, T, -1, self.head_k_dim)
         v = v.reshape(B, T, -1, self.head_v_dim)  # [B, T, Hv, Dv]
 
-        beta = b.sigmoid()
-        # A_log.float(): fp16 models would otherwise overflow; the decay is fp32 in every dtype.
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [B, T, Hv] fp32
+        g, beta = self.gates_fn(a, b, self.A_log, self.dt_bias)  # [B, T, Hv]: fp32 log decay, beta
         if self.num_v_heads // self.num_k_heads > 1:
             q = q.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)  # [B, T, Hv, Dk]
             k = k.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
@@ -418,6 +436,12 @@ class GatedDeltaNet(nn.Module):
 
         out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))  # [B*T*Hv, Dv]
         return self.out_proj(out.reshape(B, T, -1))  # [B, T, Hv*Dv] -> [B, T, H]
+
+
+def decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """g = -exp(A_log) * softplus(a + dt_bias) in fp32 (the log decay), beta = sigmoid(b)."""
+    # A_log.float(): fp16 models would otherwise overflow; the decay is fp32 in every dtype.
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
 
 
 # --------------------------------------------------------------------------------------------
