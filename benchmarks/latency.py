@@ -189,6 +189,7 @@ def main() -> None:
                 if ref_ms:
                     entry["speedup_vs_reference"] = ref_ms / entry["median_ms"]
         report["requests"][name] = row
+        args.out.write_text(json.dumps(report, indent=2))  # after every request: a timeout keeps what was measured
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=1))
 
