@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from valen_runtime.safetensors_file import StreamingWriter
+from valen_runtime.safetensors_file import StreamingWriter, all_finite
 
 from . import inventory
 from .errors import ExportError
@@ -342,7 +342,7 @@ def export(
             try:
                 for t in pf.tensors:
                     value = t.produce()
-                    if not bool(torch.isfinite(value).all()):
+                    if not all_finite(value):
                         raise ExportError(f"{pf.name}: tensor {t.name} would hold non-finite values")
                     writer.write(t.name, value)
                     if bar:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from valen_runtime.errors import WeightsError
-from valen_runtime.safetensors_file import SafetensorsFile, sha256_file
+from valen_runtime.safetensors_file import SafetensorsFile, all_finite, sha256_file
 
 from . import inventory
 from .errors import ExportError
@@ -228,6 +228,6 @@ def check_trainable_set(checkpoint: Checkpoint, base: Base, pins: dict) -> dict[
             raise ExportError(f"{where}: weights[{name!r}] has shape {list(t.shape)}, expected {list(shape)}")
         if DTYPE_NAMES.get(t.dtype) != dtype:
             raise ExportError(f"{where}: weights[{name!r}] has dtype {t.dtype}, expected {dtype}")
-        if not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise ExportError(f"{where}: weights[{name!r}] holds non-finite values")
     return expected

@@ -18,7 +18,7 @@ import torch
 
 from valen_runtime.errors import WeightsError
 from valen_runtime.manifest import Manifest
-from valen_runtime.safetensors_file import SafetensorsFile
+from valen_runtime.safetensors_file import SafetensorsFile, all_finite
 
 from . import inventory
 
@@ -80,7 +80,7 @@ def _check_values(sf: SafetensorsFile, failures: list[str]) -> dict[str, torch.T
     """Read every tensor once; non-finite values are failures. Returns small tensors (<1 MiB) for later checks."""
     small = {}
     for name, t in sf.iter_tensors():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             failures.append(f"{sf.path}: tensor {name} holds non-finite values")
         if t.numel() * t.element_size() < 2**20:
             small[name] = t

@@ -269,6 +269,30 @@ def write_file(path, tensors: dict[str, torch.Tensor], metadata=None) -> tuple[s
     return w.close()
 
 
+# Exponent field of each float format: all ones means inf or NaN.
+_EXPONENT_MASKS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00), torch.float32: (torch.int32, 0x7F800000)}
+
+
+def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """True when no element is NaN or infinite.
+
+    Checked on the exponent bits in slices, so temporaries stay small and it runs at integer
+    speed (torch.isfinite on a 1 GB bf16 tensor allocates several GB and takes seconds on a CPU).
+    """
+    if not t.is_floating_point():
+        return True
+    flat = t.reshape(-1)
+    if flat.dtype not in _EXPONENT_MASKS:
+        return bool(torch.isfinite(flat).all())
+    int_dtype, mask = _EXPONENT_MASKS[flat.dtype]
+    bits = flat.view(int_dtype)
+    for start in range(0, bits.numel(), chunk):
+        part = bits[start : start + chunk]
+        if bool(((part & mask) == mask).any()):
+            return False
+    return True
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 8 * 1024 * 1024) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

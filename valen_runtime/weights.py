@@ -21,7 +21,7 @@ from .errors import WeightsError
 from .head import DecisionHead
 from .manifest import Manifest
 from .qwen35 import TextModel, attach_lora
-from .safetensors_file import SafetensorsFile
+from .safetensors_file import SafetensorsFile, all_finite
 from .vision import VisionModel
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -52,7 +52,7 @@ def _read_prefixed(files: list[Path], prefix: str, expected_dtype: str) -> dict[
             if short in out:
                 raise WeightsError(f"{path}: duplicate tensor {name!r}")
         for name, t in sf.iter_tensors():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 raise WeightsError(f"{path}: tensor {name!r} holds non-finite values")
             out[name[len(prefix):]] = t
     return out

@@ -52,3 +52,22 @@ def test_adapter_rank_must_match_the_manifest(tiny_export, tmp_path):
 def test_unknown_dtype_is_refused(tiny_export):
     with pytest.raises(WeightsError, match="dtype 'fp16'"):
         load_model(tiny_export["separate"], dtype="fp16")
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]),
+    n=st.integers(0, 300),
+    specials=st.lists(st.tuples(st.integers(0, 299), st.sampled_from([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e4])), max_size=3),
+)
+def test_all_finite_agrees_with_isfinite(dtype, n, specials):
+    from valen_runtime.safetensors_file import all_finite
+
+    x = torch.randn(n, dtype=torch.float64).to(dtype)
+    for i, v in specials:
+        if i < n:
+            x[i] = v
+    assert all_finite(x, chunk=7) == bool(torch.isfinite(x).all())
