@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from valen_runtime.safetensors_file import sha256_file
+
 from . import isolation
 from .tolerances import Tolerance
 
@@ -93,12 +95,7 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+file_sha256 = sha256_file  # one hashing helper for the repo (valen_runtime.safetensors_file)
 
 
 @dataclass

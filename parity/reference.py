@@ -19,7 +19,6 @@ Build, step by step as Valen's `build_model` + `load_checkpoint`:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import platform
@@ -27,6 +26,8 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+
+from valen_runtime.safetensors_file import sha256_file
 from torch import nn
 
 LORA_PREFIX = "backbone.language_model.base_model.model."
@@ -207,9 +208,4 @@ def question_logits(model: ValenReference, builder, prompt, device: str) -> list
     return out
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+file_sha256 = sha256_file  # one hashing helper for the repo (valen_runtime.safetensors_file)
