@@ -117,7 +117,7 @@ def run(
 @click.option("--requests", "requests_file", type=click.Path(path_type=Path), default=None, help="JSONL file, one wire request per line.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda (both sides).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
-@click.option("--mode", type=click.Choice(["per-branch", "shared-prefix"]), default="per-branch", show_default=True, help="Runtime execution mode (the reference is always per-branch).")
+@click.option("--mode", type=click.Choice(["per-branch", "shared-prefix"]), default=None, help="Runtime execution mode (default: shared-prefix on CUDA, the runtime's default there; per-branch on the CPU). The reference is always per-branch.")
 @click.option("--pins", type=click.Path(path_type=Path), default=None, help="Pins file: checkpoint.pt sha256 and base revision must match it.")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), default=None, help="Write the JSON report here.")
 @click.option("--valen-source", type=click.Path(path_type=str), default=None, help="A Liuziyu77/Valen checkout at the pinned commit: use its own builder, loader and compiler as the reference.")
@@ -134,6 +134,8 @@ def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pin
       valen-parity --export build/export --checkpoint ckpt --base qwen --case all --dtype fp32 --report r.json
     """
     try:
+        if mode is None:
+            mode = "shared-prefix" if str(device).startswith("cuda") else "per-branch"
         report = run(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, valen_source, tolerances_path, threads, reference_cache, kernels, graphs)
     except harness.UsageProblem as e:
         click.echo(f"error: {e}", err=True)

@@ -1,0 +1,90 @@
+"""Engine and valen-run: end to end on the tiny export, import hygiene, CLI exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from valen_runtime.cli import main as valen_run
+
+TEXT_REQUEST = {
+    "model": "valen-preview-0923",
+    "state": "The card was charged twice for one order.",
+    "questions": {
+        "next": {"type": "choice", "instructions": "What next?", "criteria": {"refund": "Refund it", "wait": "Wait"}},
+        "dup": {"type": "noul", "instructions": "Is it a duplicate?"},
+        "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "medium", "high"]},
+    },
+}
+
+
+def test_loading_and_running_never_imports_transformers_peft_or_torch_load(tiny_export):
+    code = (
+        "import json, sys, torch\n"
+        "calls = []\n"
+        "real = torch.load\n"
+        "torch.load = lambda *a, **k: calls.append(a) or real(*a, **k)\n"
+        "from valen_runtime.engine import Engine\n"
+        f"e = Engine.load({str(tiny_export['separate'])!r}, device='cpu', dtype='bf16')\n"
+        f"e.answer(json.loads({json.dumps(json.dumps(TEXT_REQUEST))}))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('peft', 'torchvision') or m.startswith('transformers'))\n"
+        "print(json.dumps({'bad': bad, 'torch_load_calls': len(calls)}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"bad": [], "torch_load_calls": 0}
+
+
+def test_response_shape_and_usage(tiny_export):
+    from valen_runtime.engine import Engine
+
+    result = Engine.load(tiny_export["merged"], device="cpu", dtype="fp32").run(TEXT_REQUEST)
+    resp = result.response
+    assert list(resp) == ["model", "answers", "usage", "internal_usage"]
+    assert resp["model"] == "valen-preview-0923"
+    assert list(resp["answers"]) == ["next", "dup", "urgency"]
+    assert list(resp["answers"]["next"]) == ["type", "probabilities", "choice", "confidence"]
+    assert list(resp["answers"]["dup"]) == ["type", "noul"]
+    assert list(resp["answers"]["urgency"]) == ["type", "probabilities", "score", "legend", "confidence"]
+    state = len(result.compiled.state.input_ids)
+    suffixes = [len(b.suffix_ids) for q in result.compiled.questions for b in q.branches]
+    assert resp["usage"] == {"input_tokens": state + sum(suffixes), "output_tokens": 0}
+    assert resp["internal_usage"] == {"compute_tokens": sum(state + s for s in suffixes)}
+    assert [lg.shape[0] for lg in result.logits] == [2, 2, 3]
+
+
+def test_valen_run_cli(tiny_export, tmp_path):
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps(TEXT_REQUEST))
+    ok = CliRunner().invoke(valen_run, ["--export", str(tiny_export["separate"]), "--device", "cpu", str(req)])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["answers"]["next"]["choice"] in ("refund", "wait")
+    stdin = CliRunner().invoke(valen_run, ["--export", str(tiny_export["separate"]), "--device", "cpu", "-"], input=json.dumps(TEXT_REQUEST))
+    assert stdin.exit_code == 0 and json.loads(stdin.output) == json.loads(ok.output)
+
+
+@pytest.mark.parametrize(
+    "body,phrase",
+    [
+        ('{"model": "valen-preview-0923", "state": "  ", "questions": {"q": {"type": "noul", "instructions": "?"}}}', "state"),
+        ('{"model": "other", "state": "x", "questions": {"q": {"type": "noul", "instructions": "?"}}}', "model"),
+        ("not json", "JSON"),
+    ],
+)
+def test_valen_run_bad_request_is_one_line_exit_2(tiny_export, tmp_path, body, phrase):
+    req = tmp_path / "req.json"
+    req.write_text(body)
+    result = CliRunner().invoke(valen_run, ["--export", str(tiny_export["separate"]), "--device", "cpu", str(req)])
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and result.output.startswith("error:") and phrase in result.output
+
+
+def test_valen_run_bad_export_is_one_line_exit_2(tmp_path):
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps(TEXT_REQUEST))
+    result = CliRunner().invoke(valen_run, ["--export", str(tmp_path / "missing"), "--device", "cpu", str(req)])
+    assert result.exit_code == 2 and "not a directory" in result.output and "Traceback" not in result.output
