@@ -123,11 +123,8 @@ class Engine:
         if self.mode == "shared-prefix":
             return self._shared_prefix(compiled, features)
         rows = self._per_branch(compiled, features)
-        out = []
-        for q, branch_rows in zip(compiled.questions, rows):
-            logits = torch.cat([self.model.head.logits(c, d) for c, d in branch_rows])  # [K] fp32
-            out.append(logits)
-        return out
+        # One head call per branch, concatenated per question: [K] fp32 each.
+        return [torch.cat([self.model.head.logits(c, d) for c, d in branch_rows]) for branch_rows in rows]
 
     def _state_image_mask(self, compiled: CompiledRequest, length: int) -> torch.Tensor:
         types = torch.tensor(compiled.state.mm_token_type_ids + [0] * (length - len(compiled.state.mm_token_type_ids)))
