@@ -11,7 +11,6 @@ number of bytes the export writes. Ratio = export time / baseline time. Not a te
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform

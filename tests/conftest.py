@@ -40,6 +40,34 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def write_minimal_config(directory: Path, ids: dict) -> None:
+    """The config.json a caller writes beside the text assets (model_type qwen3_5 decides the tokenizer class)."""
+    import json
+
+    config = {
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "image_token_id": ids["image_token_id"],
+        "video_token_id": ids["video_token_id"],
+        "vision_start_token_id": ids["vision_start_token_id"],
+        "vision_end_token_id": ids["vision_end_token_id"],
+        "text_config": {"model_type": "qwen3_5_text", "vocab_size": ids["vocab_size"]},
+        "vision_config": {"model_type": "qwen3_5"},
+    }
+    (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def text_assets(tmp_path_factory):
+    """(folder, token ids): the fixture's tokenizer/processor files plus a minimal config.json. Read-only."""
+    from valen_export.fixture_files import write_text_assets
+
+    directory = tmp_path_factory.mktemp("text_assets")
+    ids = write_text_assets(directory)
+    write_minimal_config(directory, ids)
+    return directory, ids
+
+
 @pytest.fixture(scope="session")
 def tiny_fixture(tmp_path_factory):
     from valen_export.fixture import build_fixture

@@ -29,7 +29,6 @@ needs files not yet cached fails at once with one line instead of retrying.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 import re

@@ -77,10 +77,6 @@ def test_export_is_byte_identical_across_processes(tiny_fixture, tiny_export, tm
 
 @pytest.mark.slow
 def test_runtime_answers_bitwise_identical_across_processes(tiny_export, tmp_path):
-    try:
-        import valen_runtime.engine  # noqa: F401
-    except ImportError as e:  # the engine lands separately
-        pytest.skip(f"valen_runtime.engine is not importable yet: {e}")
     root = tiny_export["separate"].parent
     outs = run_side_by_side({seed: ["-c", RUN_SCRIPT, root, json.dumps(REQUEST)] for seed in ("1", "4242")})
     a, b = (json.loads(o) for o in outs.values())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3_5ForConditionalGeneration

@@ -32,27 +32,9 @@ FILES = (
 HINDI = "हिन्दी में पाठ। नमस्ते दुनिया।"
 
 
-def write_config(directory, ids):
-    """The minimal config.json a caller adds; model_type qwen3_5 decides the tokenizer class."""
-    config = {
-        "model_type": "qwen3_5",
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "image_token_id": ids["image_token_id"],
-        "video_token_id": ids["video_token_id"],
-        "vision_start_token_id": ids["vision_start_token_id"],
-        "vision_end_token_id": ids["vision_end_token_id"],
-        "text_config": {"model_type": "qwen3_5_text", "vocab_size": ids["vocab_size"]},
-        "vision_config": {"model_type": "qwen3_5"},
-    }
-    (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
-
-
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen35_assets")
-    ids = write_text_assets(directory)
-    write_config(directory, ids)
-    return directory, ids
+def folder(text_assets):
+    return text_assets
 
 
 def test_writes_every_file(folder):

@@ -7,7 +7,6 @@ CPU-runnable comparisons run everywhere; the CUDA ones are marked `gpu` and run 
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch

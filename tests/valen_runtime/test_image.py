@@ -17,7 +17,6 @@ from PIL import Image
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from valen_export.fixture_files import write_text_assets  # noqa: E402
 from valen_runtime.errors import ConfigError, RequestError  # noqa: E402
 from valen_runtime.image import (  # noqa: E402
     ImageConfig,
@@ -29,24 +28,9 @@ from valen_runtime.image import (  # noqa: E402
 )
 
 
-def write_config(directory, ids):
-    config = {
-        "model_type": "qwen3_5",
-        "image_token_id": ids["image_token_id"],
-        "video_token_id": ids["video_token_id"],
-        "vision_start_token_id": ids["vision_start_token_id"],
-        "vision_end_token_id": ids["vision_end_token_id"],
-        "text_config": {"model_type": "qwen3_5_text", "vocab_size": ids["vocab_size"]},
-        "vision_config": {"model_type": "qwen3_5"},
-    }
-    (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
-
-
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen35_img")
-    write_config(directory, write_text_assets(directory))
-    return directory
+def folder(text_assets):
+    return text_assets[0]
 
 
 @pytest.fixture(scope="module")

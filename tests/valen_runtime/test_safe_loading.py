@@ -15,7 +15,6 @@ import shutil
 import struct
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from valen_export.cli import verify_command

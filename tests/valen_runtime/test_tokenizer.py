@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from valen_export.fixture_files import SPECIAL_TOKENS, write_text_assets  # noqa: E402
+from valen_export.fixture_files import SPECIAL_TOKENS  # noqa: E402
 from valen_runtime.errors import ConfigError  # noqa: E402
 from valen_runtime.tokenizer import Tokenizer  # noqa: E402
 
@@ -39,24 +39,9 @@ STRINGS = [
 ]
 
 
-def write_config(directory, ids):
-    config = {
-        "model_type": "qwen3_5",
-        "image_token_id": ids["image_token_id"],
-        "video_token_id": ids["video_token_id"],
-        "vision_start_token_id": ids["vision_start_token_id"],
-        "vision_end_token_id": ids["vision_end_token_id"],
-        "text_config": {"model_type": "qwen3_5_text", "vocab_size": ids["vocab_size"]},
-        "vision_config": {"model_type": "qwen3_5"},
-    }
-    (directory / "config.json").write_text(json.dumps(config), encoding="utf-8")
-
-
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen35_tok")
-    write_config(directory, write_text_assets(directory))
-    return directory
+def folder(text_assets):
+    return text_assets[0]
 
 
 @pytest.fixture(scope="module")
