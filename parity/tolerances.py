@@ -37,6 +37,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from valen_runtime.safetensors_file import reject_duplicate_keys
+
 SCHEMA = "valen-parity-tolerances/1"
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "manifests" / "tolerances.json"
 
@@ -169,19 +171,11 @@ def load(path: Path | str = DEFAULT_PATH) -> list[Tolerance]:
     except OSError as e:
         raise ToleranceError(f"{path}: cannot read ({e.strerror or e})") from None
 
-    def no_dupes(pairs):
-        d = {}
-        for k, v in pairs:
-            if k in d:
-                raise ToleranceError(f"{path}: duplicate key {k!r}")
-            d[k] = v
-        return d
-
     try:
-        data = json.loads(text, object_pairs_hook=no_dupes, parse_constant=_reject_constant)
+        data = json.loads(text, object_pairs_hook=reject_duplicate_keys, parse_constant=_reject_constant)
     except ToleranceError:
         raise
-    except ValueError as e:
+    except ValueError as e:  # malformed JSON, or a duplicate key
         raise ToleranceError(f"{path}: not valid JSON ({e})") from None
     return validate(data, str(path))
 

@@ -17,22 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import WeightsError
-from .safetensors_file import sha256_file
+from .safetensors_file import reject_duplicate_keys, sha256_file
 
 FORMAT = "valen-native/1"
 MANIFEST_NAME = "valen_export.json"
 # valen_export.json of a 2B export and its language index are tens of KiB; anything near this is not ours.
 MAX_JSON_BYTES = 16 * 1024 * 1024
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-
-
-def _no_duplicate_keys(pairs):
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
 
 
 def read_json_object(path: Path, what: str) -> dict:
@@ -50,7 +41,7 @@ def read_json_object(path: Path, what: str) -> dict:
         raise ValueError(f"non-standard JSON constant {name}")
 
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=no_constant)
+        data = json.loads(text, object_pairs_hook=reject_duplicate_keys, parse_constant=no_constant)
     except (ValueError, RecursionError) as e:
         raise WeightsError(f"{path}: {what} is not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     if not isinstance(data, dict):

@@ -55,7 +55,8 @@ class TensorInfo:
         return self.end - self.start
 
 
-def _reject_duplicates(pairs):
+def reject_duplicate_keys(pairs):
+    """json.loads object_pairs_hook: a repeated key is an error (ValueError), never last-wins."""
     seen = {}
     for k, v in pairs:
         if k in seen:
@@ -97,7 +98,7 @@ class SafetensorsFile:
         except OSError as e:
             raise WeightsError(f"{self.path}: cannot read ({e.strerror or e})") from None
         try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=reject_duplicate_keys, parse_constant=_reject_constant)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             detail = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise WeightsError(f"{self.path}: malformed safetensors header ({detail})") from None
