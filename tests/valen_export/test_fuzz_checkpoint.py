@@ -178,13 +178,19 @@ def _hashes(h: dict, how: str) -> None:
 def test_structural_payload_mutations(source, data):
     payload = copy.deepcopy(source["payload"])
     mutations = data.draw(st.lists(mutation_strategy(payload), min_size=1, max_size=3), label="mutations")
-    must_fail = False
+    must_fail = config_field_changed = False
     for desc, fails, apply in mutations:
         try:
             apply(payload)
         except (KeyError, TypeError, AttributeError, IndexError, RuntimeError):
             continue  # an earlier mutation removed what this one changes
-        must_fail |= fails
+        if desc[0] == "config field":
+            config_field_changed = True
+        else:
+            must_fail |= fails
+    # payload["config"] is only a cross-check of config.json: a bad field in it must be refused,
+    # unless a later mutation dropped the whole (optional) entry or replaced it with a non-dict.
+    must_fail |= config_field_changed and isinstance(payload.get("config"), dict)
     outcome = read_checkpoint(source, lambda p: torch.save(payload, p))
     if must_fail:
         assert outcome != "ok", [m[0] for m in mutations]
