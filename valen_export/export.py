@@ -9,15 +9,11 @@ one-to-one.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import platform
-import shutil
-import signal
 import sys
-import threading
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -28,6 +24,7 @@ import torch
 from valen_runtime.safetensors_file import StreamingWriter, all_finite
 
 from . import inventory
+from .atomic import AtomicDirectory
 from .errors import ExportError
 from .sources import Base, Checkpoint, check_base_inventory, check_trainable_set, load_pins, open_base, open_checkpoint
 
@@ -274,18 +271,6 @@ def _check_destination(out: Path, base: Path, checkpoint: Path) -> None:
             raise ExportError(f"{out}: must not be inside the input folder {src}")
 
 
-def _clean_stale_partials(out: Path) -> None:
-    """Remove temporary directories left by exports that were killed (their pid is gone)."""
-    for p in out.parent.glob(f".{out.name}.partial-*"):
-        try:
-            pid = int(p.name.rsplit("-", 1)[1])
-            os.kill(pid, 0)
-        except (ValueError, ProcessLookupError):
-            shutil.rmtree(p, ignore_errors=True)
-        except PermissionError:
-            pass
-
-
 def export(
     checkpoint_dir: Path,
     base_dir: Path,
@@ -316,120 +301,73 @@ def export(
     reader = _Reader(base)
     files, fragments = plan_export(checkpoint, base, pins, lora_mode, max_shard_bytes, reader)
 
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _clean_stale_partials(out)
-    except OSError as e:
-        raise ExportError(f"{out.parent}: cannot create the output's parent directory ({e.strerror})") from None
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     bar = None
-    current = "the temporary directory"
-    restore_sigterm = _sigterm_unwinds()
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        total = sum(len(f.tensors) for f in files)
-        show = sys.stderr.isatty() if progress is None else progress
-        if show:
-            from tqdm import tqdm
+        with AtomicDirectory(out) as job:
+            tmp = job.tmp
+            total = sum(len(f.tensors) for f in files)
+            show = sys.stderr.isatty() if progress is None else progress
+            if show:
+                from tqdm import tqdm
 
-            bar = tqdm(total=total, unit="tensor", desc=f"export ({lora_mode})", file=sys.stderr)
-        records: dict[str, dict] = {}
-        for pf in files:
-            current = pf.name
-            writer = StreamingWriter(tmp / pf.name, [(t.name, t.dtype, t.shape) for t in pf.tensors], metadata={"format": "pt"})
-            try:
-                for t in pf.tensors:
-                    value = t.produce()
-                    if not all_finite(value):
-                        raise ExportError(f"{pf.name}: tensor {t.name} would hold non-finite values")
-                    writer.write(t.name, value)
-                    if bar:
-                        bar.update(1)
-            except BaseException:
-                writer.abort()
-                raise
-            sha, size = writer.close()
-            records[pf.name] = {"sha256": sha, "size": size}
-            log(f"wrote {pf.name} ({len(pf.tensors)} tensors, {size / 2**20:.1f} MiB)")
-        if fragments["language"]["index"]:
-            weight_map = {t.name: pf.name for pf in files if pf.name in fragments["language"]["files"] for t in pf.tensors}
-            total_size = sum(pf.nbytes for pf in files if pf.name in fragments["language"]["files"])
-            index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-            current = INDEX_FILE
-            records[INDEX_FILE] = _write_bytes(tmp / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
-        for asset in TEXT_ASSETS:
-            src = base.folder / asset
-            if src.is_file():
-                current = asset
-                records[asset] = _write_bytes(tmp / asset, src.read_bytes())
+                bar = tqdm(total=total, unit="tensor", desc=f"export ({lora_mode})", file=sys.stderr)
+            records: dict[str, dict] = {}
+            for pf in files:
+                job.current = pf.name
+                writer = StreamingWriter(tmp / pf.name, [(t.name, t.dtype, t.shape) for t in pf.tensors], metadata={"format": "pt"})
+                try:
+                    for t in pf.tensors:
+                        value = t.produce()
+                        if not all_finite(value):
+                            raise ExportError(f"{pf.name}: tensor {t.name} would hold non-finite values")
+                        writer.write(t.name, value)
+                        if bar:
+                            bar.update(1)
+                except BaseException:
+                    writer.abort()
+                    raise
+                sha, size = writer.close()
+                records[pf.name] = {"sha256": sha, "size": size}
+                log(f"wrote {pf.name} ({len(pf.tensors)} tensors, {size / 2**20:.1f} MiB)")
+            if fragments["language"]["index"]:
+                weight_map = {t.name: pf.name for pf in files if pf.name in fragments["language"]["files"] for t in pf.tensors}
+                total_size = sum(pf.nbytes for pf in files if pf.name in fragments["language"]["files"])
+                index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+                job.current = INDEX_FILE
+                records[INDEX_FILE] = _write_bytes(tmp / INDEX_FILE, (json.dumps(index, indent=2) + "\n").encode())
+            for asset in TEXT_ASSETS:
+                src = base.folder / asset
+                if src.is_file():
+                    job.current = asset
+                    records[asset] = _write_bytes(tmp / asset, src.read_bytes())
 
-        manifest = {
-            "format": FORMAT,
-            "model_id": MODEL_ID,
-            "pins": pins,
-            "source": {
-                "checkpoint_sha256": checkpoint.sha256,
-                "base_revision": base.revision,
-                "base_weight_sha256": base.weight_sha256,
-            },
-            **fragments,
-            "prompt": {
-                "max_length": checkpoint.config.get("max_length", 8192),
-                "media_kwargs": checkpoint.config.get("media_kwargs") or {},
-            },
-            "files": dict(sorted(records.items())),
-            "exporter": {"name": "valen-export", "version": EXPORTER_VERSION, "sha256": _exporter_sha256()},
-            "producer_runtime": producer_runtime(),
-        }
-        current = MANIFEST_NAME
-        _write_bytes(tmp / MANIFEST_NAME, (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode())
-        _fsync_dir(tmp)
-        try:
-            # Atomic: succeeds onto a missing or empty directory, fails if another export filled it.
-            os.rename(tmp, out)
-        except OSError as e:
-            raise ExportError(f"{out}: could not move the finished export into place ({e.strerror}); another export may have won the race") from None
-        _fsync_dir(out.parent)
-    except BaseException as e:
-        # Killed by SIGKILL we cannot clean up; the next export into the same parent removes the
-        # partial directory (its pid is gone). Everything else unwinds through here.
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise _write_failure(e, out, current) from None
-        raise
+            manifest = {
+                "format": FORMAT,
+                "model_id": MODEL_ID,
+                "pins": pins,
+                "source": {
+                    "checkpoint_sha256": checkpoint.sha256,
+                    "base_revision": base.revision,
+                    "base_weight_sha256": base.weight_sha256,
+                },
+                **fragments,
+                "prompt": {
+                    "max_length": checkpoint.config.get("max_length", 8192),
+                    "media_kwargs": checkpoint.config.get("media_kwargs") or {},
+                },
+                "files": dict(sorted(records.items())),
+                "exporter": {"name": "valen-export", "version": EXPORTER_VERSION, "sha256": _exporter_sha256()},
+                "producer_runtime": producer_runtime(),
+            }
+            job.current = MANIFEST_NAME
+            _write_bytes(tmp / MANIFEST_NAME, (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode())
+            job.commit("the finished export", "another export may have won the race")
     finally:
-        restore_sigterm()
         if bar:
             bar.close()
         reader.close()
     log(f"export complete: {out}")
     return manifest
-
-
-_DISK_ERRORS = {errno.ENOSPC: "no space left on device", errno.EFBIG: "file size limit exceeded", errno.EDQUOT: "disk quota exceeded"}
-
-
-def _write_failure(e: OSError, out: Path, current: str) -> ExportError:
-    """One line for a failed write (disk full, file size limit, I/O error), naming the file being written."""
-    what = _DISK_ERRORS.get(e.errno) or e.strerror or str(e).strip() or type(e).__name__
-    code = f" ({errno.errorcode[e.errno]})" if e.errno in errno.errorcode else ""
-    return ExportError(f"{out}: writing {current} failed: {what}{code}; the partial export was removed and {out} was not created")
-
-
-def _sigterm_unwinds() -> Callable[[], None]:
-    """While an export writes, turn SIGTERM into SystemExit(143) so the temporary directory is removed
-    (SIGINT already unwinds as KeyboardInterrupt). Only from the main thread, and only when SIGTERM
-    still has its default action; returns the function that restores the previous handler."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return lambda: None
-
-    def unwind(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, unwind)
-    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _write_bytes(path: Path, data: bytes) -> dict:
@@ -438,11 +376,3 @@ def _write_bytes(path: Path, data: bytes) -> dict:
         f.flush()
         os.fsync(f.fileno())
     return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -46,7 +46,8 @@ from valen_runtime.errors import ValenError
 from valen_runtime.safetensors_file import sha256_file
 
 from .errors import ExportError
-from .export import DEFAULT_PINS, INDEX_FILE, REQUIRED_ASSETS, TEXT_ASSETS, _clean_stale_partials, _fsync_dir, _sigterm_unwinds, _write_failure
+from .atomic import AtomicDirectory, fsync_dir
+from .export import DEFAULT_PINS, INDEX_FILE, REQUIRED_ASSETS, TEXT_ASSETS
 from .sources import load_pins, open_checkpoint
 
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -356,51 +357,31 @@ def fetch(
     manifest = base_manifest(base_pins["repo"], folder, checkpoint.base_manifest)
     base_files = [n for n in wanted if (folder / n).is_file()]
 
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _clean_stale_partials(out)
-    except OSError as e:
-        raise ExportError(f"{out.parent}: cannot create the output's parent directory ({e.strerror})") from None
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     how = set()
-    current = "the temporary directory"
-    restore_sigterm = _sigterm_unwinds()
-    try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / "checkpoint").mkdir(parents=True)
+    with AtomicDirectory(out) as job:
+        tmp = job.tmp
+        (tmp / "checkpoint").mkdir()
         (tmp / "base").mkdir()
         for name, path in ck_files.items():
-            current = f"checkpoint/{name}"
+            job.current = f"checkpoint/{name}"
             how.add(_place(path, tmp / "checkpoint" / name, copy))
         for name in base_files:
-            current = f"base/{name}"
+            job.current = f"base/{name}"
             how.add(_place(folder / name, tmp / "base" / name, copy))
-        current = f"base/{MANIFEST_NAME}"
+        job.current = f"base/{MANIFEST_NAME}"
         with open(tmp / "base" / MANIFEST_NAME, "x", encoding="utf-8") as f:
             f.write(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        for d in (tmp / "checkpoint", tmp / "base", tmp):
-            _fsync_dir(d)
+        for d in (tmp / "checkpoint", tmp / "base"):
+            fsync_dir(d)
         # Sizes of copies are re-checked (a copy is the one step that rewrote bytes).
         for name in weights + ["checkpoint.pt"]:
             dst = tmp / ("checkpoint" if name == "checkpoint.pt" else "base") / name
             src = ck_files[name] if name == "checkpoint.pt" else folder / name
             if dst.stat().st_size != Path(os.path.realpath(src)).stat().st_size:
                 raise ExportError(f"{dst}: size differs from the cached file after placing it")
-        try:
-            os.rename(tmp, out)  # atomic onto a missing or empty directory
-        except OSError as e:
-            raise ExportError(f"{out}: could not move the fetched files into place ({e.strerror}); did another run fill it?") from None
-        _fsync_dir(out.parent)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise _write_failure(e, out, current) from None
-        raise
-    finally:
-        restore_sigterm()
+        job.commit("the fetched files", "did another run fill it?")
 
     cmd = ["valen-export", "--checkpoint", str(out / "checkpoint"), "--base", str(out / "base"), "--out", str(out) + "-export"]
     if pins_path and Path(pins_path).resolve() != DEFAULT_PINS.resolve():
