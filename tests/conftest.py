@@ -40,6 +40,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture()
+def one_torch_thread():
+    """Run a test on one torch thread and restore the previous count afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def write_minimal_config(directory: Path, ids: dict) -> None:
     """The config.json a caller writes beside the text assets (model_type qwen3_5 decides the tokenizer class)."""
     import json

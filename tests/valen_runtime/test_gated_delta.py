@@ -9,13 +9,8 @@ from hypothesis import strategies as st
 from valen_runtime.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is faster and immune to oversubscribed CI cores; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: one thread is faster and immune to oversubscribed CI cores (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_inputs(B, T, H, Dk, Dv, seed, dtype=torch.float32, strong_decay=False):

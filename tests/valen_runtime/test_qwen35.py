@@ -94,13 +94,8 @@ def report(name: str, ref: torch.Tensor, out: torch.Tensor) -> float:
     return diff.max().item()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is faster and immune to oversubscribed CI cores; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: one thread is faster and immune to oversubscribed CI cores (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(autouse=True)

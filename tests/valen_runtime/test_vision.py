@@ -16,13 +16,8 @@ from valen_runtime.vision import VisionModel  # noqa: E402
 VISION_PREFIX = "model.visual."
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is faster and immune to oversubscribed CI cores; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny tensors: one thread is faster and immune to oversubscribed CI cores (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_hf_config() -> Qwen3_5Config:
