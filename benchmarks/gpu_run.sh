@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything this project measures on the GPU machine, in one call (device tool; see README "GPU set-up"):
 #   run: bash benchmarks/gpu_run.sh   with carry [".whl"]; results land in $OUT.
-# Steps (each bounded so the call ends inside its 10-minute limit and writes what it has):
+# Steps (STEPS="tests latency parity" by default; "profile" runs benchmarks/profile_fast.py; each bounded so the call ends inside its 10-minute limit and writes what it has):
 #   1. install the carried pinned stack into /tmp/site and fla-core into /tmp/site-fla (the
 #      reference's process drops the latter from PYTHONPATH and blocks the import),
 #   2. the gpu-marked tests (fast paths vs reference paths),
@@ -22,6 +22,12 @@ WORK=${WORK:-$PWD/build/gpu-bench}  # inside the repo (ignored): kept between ca
 BUDGET=${BUDGET:-560}
 left() { local l=$((BUDGET - SECONDS)); echo $(( l > 5 ? l : 5 )); }
 cap() { local l; l=$(left); echo $(( $1 < l ? $1 : l )); }
+
+if [[ " $STEPS " == *" profile "* ]]; then
+  timeout $(cap ${PROFILE_TIMEOUT:-300}) python3 benchmarks/profile_fast.py --work "$WORK" --out "$OUT/profile.json" --tables "$OUT/profile-tables" \
+    ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
+  grep -E "total|ready|Error|error" "$OUT/profile.log" | tail -30
+fi
 
 if [[ " $STEPS " == *" latency "* ]]; then
   timeout $(cap ${LATENCY_TIMEOUT:-330}) python3 benchmarks/latency.py --work "$WORK" --out "$OUT/latency.json" --iters 10 --warmup 3 --ref-iters 3 > "$OUT/latency.log" 2>&1

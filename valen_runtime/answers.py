@@ -36,9 +36,37 @@ def probabilities(logits: torch.Tensor, count: int, temperature: float = 1.0) ->
         raise ValueError(f"expected one logit per candidate: shape ({count},), got {tuple(logits.shape)}")
     if not bool(torch.isfinite(logits).all()):
         raise ValueError("logits must be finite")
-    values = (logits.float() / temperature).softmax(-1).detach().cpu().tolist()
+    return _renormalise((logits.float() / temperature).softmax(-1).detach().cpu().tolist())
+
+
+def _renormalise(values: list[float]) -> list[float]:
     total = sum(values)
     return [value / total for value in values]
+
+
+def batch_probabilities(logits: Sequence[torch.Tensor], counts: Sequence[int], temperature: float = 1.0) -> tuple[list[list[float]], list[torch.Tensor]]:
+    """`probabilities` for several questions with one device-to-host transfer.
+
+    The softmaxes run on the logits' device as in `probabilities` (same values bit for bit); the
+    logits and probabilities of all questions then come back in one copy. Returns the
+    probabilities and the logits on the CPU.
+    """
+    temperature = _validate_temperature(temperature)
+    if len(logits) != len(counts):
+        raise ValueError(f"{len(logits)} logit tensors for {len(counts)} questions")
+    for lg, count in zip(logits, counts):
+        if not isinstance(lg, torch.Tensor) or lg.ndim != 1 or lg.shape[0] != count:
+            shape = tuple(lg.shape) if isinstance(lg, torch.Tensor) else type(lg).__name__
+            raise ValueError(f"expected one logit per candidate: shape ({count},), got {shape}")
+    if not logits:
+        return [], []
+    probs = [(lg.float() / temperature).softmax(-1) for lg in logits]
+    host = torch.cat([lg.float() for lg in logits] + probs).detach().cpu()
+    n = sum(counts)
+    host_logits, host_probs = host[:n].split(list(counts)), host[n:].split(list(counts))
+    if not bool(torch.isfinite(host[:n]).all()):
+        raise ValueError("logits must be finite")
+    return [_renormalise(p.tolist()) for p in host_probs], list(host_logits)
 
 
 def answer_from_probabilities(kind: str, keys: Sequence[str], descriptions: Sequence[str], probs: Sequence[float]) -> dict:

@@ -19,7 +19,7 @@ import jinja2
 import torch
 
 from .errors import ConfigError, RequestError
-from .image import ImageConfig, ImageLimits, decode_image, preprocess, stack_images
+from .image import ImageConfig, ImageLimits, decode_image, patch_grid, patchify, resize_for_patches, stack_images
 from .tokenizer import Tokenizer
 
 MODEL_NAME = "valen-preview-0923"
@@ -48,12 +48,29 @@ _ROLES = ("user", "assistant", "system")
 
 @dataclass
 class StateInputs:
-    """The shared prefix (length B): what the processor returns for the state messages."""
+    """The shared prefix (length B): what the processor returns for the state messages.
+
+    Images are kept as resized uint8 [1, C, H, W] tensors; `pixel_values_on(device)` turns them
+    into the processor's fp32 patches where the vision tower runs (bit-identical on every device,
+    and 4x fewer bytes to upload). `pixel_values` is the CPU result, as the processor returns it.
+    """
 
     input_ids: list[int]
     mm_token_type_ids: list[int]  # 1 on image placeholder tokens, else 0
-    pixel_values: torch.Tensor | None  # [N, C * tp * p * p] fp32
+    images: list[torch.Tensor]  # resized uint8 [1, C, H, W], prompt order
     image_grid_thw: torch.Tensor | None  # [n_images, 3] int64
+    image_config: ImageConfig | None = None
+
+    def pixel_values_on(self, device: torch.device | str) -> torch.Tensor | None:
+        """[N, C * tp * p * p] fp32 patches of all images, computed on `device`."""
+        if not self.images:
+            return None
+        patches = [patchify(image.to(device, non_blocking=True), self.image_config) for image in self.images]
+        return stack_images(patches)[0]
+
+    @property
+    def pixel_values(self) -> torch.Tensor | None:
+        return self.pixel_values_on("cpu")
 
 
 @dataclass
@@ -396,20 +413,22 @@ class Compiler:
     # ---------------------------------------------------------------- encoding
 
     def _encode_state(self, messages: list[dict], images: list[_ImageItem]) -> StateInputs:
-        processed = []
+        resized, grids = [], []
         for image in images:
             decoded = decode_image(image.data, image.mime_format, image.field, self.image_limits)
             try:
-                processed.append(preprocess(decoded, self.image_config))
+                batch = resize_for_patches(decoded, self.image_config)  # uint8 [1, C, H, W]
             except ValueError as exc:
                 raise RequestError(image.field, str(exc)) from exc
+            resized.append(batch)
+            grids.append(patch_grid(batch, self.image_config))
         try:
             text = self.tokenizer.render_chat(messages, add_generation_prompt=False)
         except jinja2.TemplateError as exc:
             raise RequestError("state", f"the chat template rejected the state ({exc})") from exc
-        if text.count(self.image_token) != len(processed):
+        if text.count(self.image_token) != len(resized):
             raise ConfigError(
-                f"chat template emitted {text.count(self.image_token)} {self.image_token} for {len(processed)} images"
+                f"chat template emitted {text.count(self.image_token)} {self.image_token} for {len(resized)} images"
             )
         if self.video_token in text:
             raise ConfigError(f"chat template emitted {self.video_token} without a video")
@@ -419,10 +438,9 @@ class Compiler:
         # temporary marker would turn user text "<|placeholder|>" into image tokens there, so
         # such a state is refused rather than compiled differently.
         placeholder = "<|placeholder|>"
-        if processed and placeholder in text:
+        if resized and placeholder in text:
             raise RequestError("state", f"text must not contain {placeholder} together with images")
-        for item in processed:
-            grid_t, grid_h, grid_w = item.grid_thw
+        for grid_t, grid_h, grid_w in grids:
             count = grid_t * grid_h * grid_w // merge_length
             text = text.replace(self.image_token, placeholder * count, 1)
         text = text.replace(placeholder, self.image_token)
@@ -430,11 +448,8 @@ class Compiler:
         mm_token_type_ids = [
             1 if token == self.image_token_id else 2 if token == self.video_token_id else 0 for token in input_ids
         ]
-        if processed:
-            pixel_values, grids = stack_images(processed)
-        else:
-            pixel_values, grids = None, None
-        return StateInputs(input_ids, mm_token_type_ids, pixel_values, grids)
+        grid_thw = torch.tensor(grids, dtype=torch.int64) if grids else None
+        return StateInputs(input_ids, mm_token_type_ids, resized, grid_thw, self.image_config)
 
     def _compile_question(self, question: _ParsedQuestion, base_length: int) -> Question:
         encode = self.tokenizer.encode

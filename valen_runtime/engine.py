@@ -12,15 +12,17 @@ The engine knows nothing about JSON validation or tokenization: compile.py does 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .answers import answer, response
+from .answers import answer_from_probabilities, batch_probabilities, response
 from .compile import CompiledRequest, Compiler
 from .positions import rope_index
+from .vision import frame_lengths, grid_list
 from .weights import LoadedModel, load_model
 
 MODES = ("per-branch", "shared-prefix")
@@ -33,6 +35,27 @@ class RunResult:
     compiled: CompiledRequest
     logits: list[torch.Tensor]  # per question, fp32 [K] on the CPU
     timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Plan:
+    """A request's shared-prefix inputs on the host; `sizes` is also the CUDA-graph key."""
+
+    parts: list[torch.Tensor]  # int64: state ids [1, P], prefix positions [3, 1, cut], suffix ids [N, L - tail],
+    # row positions [3, N, L], image token indices [n_img], head rows [C + N + C]
+    sizes: tuple[int, ...]  # (P, cut, N, L, C, n_img)
+    candidates_per_branch: list[int]
+
+    def upload(self, device: torch.device) -> list[torch.Tensor]:
+        """One copy (pinned, asynchronous on CUDA) of all parts, returned as views in order."""
+        flat = torch.cat([p.reshape(-1) for p in self.parts])
+        if device.type == "cuda":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        out, offset = [], 0
+        for p in self.parts:
+            out.append(flat[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return out
 
 
 class Engine:
@@ -64,6 +87,7 @@ class Engine:
 
             self.kernels = enable_fast_paths(model.text, model.vision, dtype=model.dtype, compile=model.device.type == "cuda")
         self.graphs = None
+        self._grid_tables: dict = {}  # image grids -> vision position / rotary tables (graphed path)
         if graphs:
             from .fast import GraphCache
 
@@ -104,10 +128,22 @@ class Engine:
     @torch.no_grad()
     def image_features(self, compiled: CompiledRequest) -> torch.Tensor | None:
         st = compiled.state
-        if st.pixel_values is None:
+        if not st.images:
             return None
         m = self.model
-        return m.vision(st.pixel_values.to(m.device), st.image_grid_thw.to(m.device))  # [n_image_tokens, H]
+        pixel_values = st.pixel_values_on(m.device)  # uint8 uploaded, patches made on the device
+        if self.graphs is None:
+            return m.vision(pixel_values, st.image_grid_thw)  # [n_image_tokens, H]
+        # Graphed per image-grid combination; the grid tables are built once and kept (weights only).
+        grids = tuple(grid_list(st.image_grid_thw))
+        tables = self._grid_tables.get(grids)
+        if tables is None:
+            if len(self._grid_tables) >= self.graphs.max_graphs:
+                self._grid_tables.pop(next(iter(self._grid_tables)))
+            tables = self._grid_tables[grids] = m.vision.grid_tables(list(grids))
+        lengths = frame_lengths(list(grids))
+        (features,) = self.graphs.run(("vision", grids), lambda px: (m.vision.encode(px, *tables, lengths),), [pixel_values])
+        return features
 
     def _embed(self, ids: list[int], image_mask: torch.Tensor | None, features: torch.Tensor | None) -> torch.Tensor:
         m = self.model
@@ -119,7 +155,11 @@ class Engine:
 
     @torch.no_grad()
     def question_logits(self, compiled: CompiledRequest) -> list[torch.Tensor]:
-        features = self.image_features(compiled)
+        return self.question_logits_from_features(compiled, self.image_features(compiled))
+
+    @torch.no_grad()
+    def question_logits_from_features(self, compiled: CompiledRequest, features: torch.Tensor | None) -> list[torch.Tensor]:
+        """Per-question logits given the vision tower's output (None for text-only states)."""
         if self.mode == "shared-prefix":
             return self._shared_prefix(compiled, features)
         rows = self._per_branch(compiled, features)
@@ -147,59 +187,71 @@ class Engine:
         return rows
 
     def _shared_prefix(self, compiled: CompiledRequest, features) -> list[torch.Tensor]:
-        m, st = self.model, compiled.state
-        merge = m.config.vision_config.spatial_merge_size
-        P = len(st.input_ids)
-        positions, next_pos = rope_index(st.input_ids, st.mm_token_type_ids, st.image_grid_thw, merge)  # [3, P]
-        embeds = self._embed(st.input_ids, self._state_image_mask(compiled, P) if features is not None else None, features)
-        # The shared part ends on a chunk boundary of the delta rule (64), so every branch sees the
-        # reference's chunking; the state tail (< 64 tokens) is re-run with each branch.
-        cut = (P // CHUNK) * CHUNK if self.align_prefix else P
-        positions = positions.to(m.device)
-
-        branches = [br for q in compiled.questions for br in q.branches]
-        N, tail = len(branches), P - cut
-        # Right padding is exact for the real tokens: every layer is causal, so a pad token never
-        # influences an earlier position. Lengths round up to a multiple of 8 so graphs are reused.
-        longest = -(-(tail + max(len(br.suffix_ids) for br in branches)) // 8) * 8
-        pad_id = branches[0].suffix_ids[-1]
-        ids = torch.tensor([br.suffix_ids + [pad_id] * (longest - tail - len(br.suffix_ids)) for br in branches], device=m.device)
-        rows_embeds = torch.cat([embeds[:, cut:].expand(N, -1, -1), m.text.embed(ids)], dim=1)  # [N, L, H]
-        suffix_pos = torch.arange(next_pos, next_pos + longest - tail, device=m.device).view(1, 1, -1).expand(3, N, -1)
-        rows_pos = torch.cat([positions[:, None, cut:].expand(3, N, -1), suffix_pos], dim=2).contiguous()  # [3, N, L]
-
-        if cut == 0:
-            run = lambda e, p: (m.text(e, p),)  # noqa: E731 - nothing to share: one batched forward
-            (hidden,) = run(rows_embeds, rows_pos) if self.graphs is None else self.graphs.run(("whole", N, longest), run, [rows_embeds, rows_pos])
-        elif self.graphs is None:
-            state = self._prefix_state(embeds[:, :cut], positions[:, None, :cut])
-            hidden = self._suffix_hidden(rows_embeds, rows_pos, *state)
+        m = self.model
+        plan = self._plan(compiled)
+        inputs = plan.upload(m.device)  # one host-to-device copy of every index the request needs
+        if features is not None:
+            inputs.append(features)
+        forward = functools.partial(self._planned_logits, plan.sizes)
+        if self.graphs is None:
+            (logits,) = forward(*inputs)
         else:
-            state = self.graphs.run(("prefix", cut), self._prefix_state, [embeds[:, :cut].contiguous(), positions[:, None, :cut].contiguous()])
-            key = ("suffix", cut, N, longest)
-            (hidden,) = self.graphs.run(key, lambda e, p, *s: (self._suffix_hidden(e, p, *s),), [rows_embeds, rows_pos, *state])
-
-        # The head for every branch at once: gather candidate and decision rows, project in FP32.
-        L = hidden.shape[1]
-        cand_rows, cand_branch, dec_rows = [], [], []
-        for k, br in enumerate(branches):
-            cand_rows += [k * L + p - cut for p in br.candidate_positions]
-            cand_branch += [k] * len(br.candidate_positions)
-            dec_rows.append(k * L + br.decision_position - cut)
-        index = torch.tensor(cand_rows + dec_rows + cand_branch, device=m.device)
-        n_c = len(cand_rows)
-        flat = hidden.reshape(N * L, -1)
-        head = m.head
-        c = head.candidate(flat[index[:n_c]].float())  # [C, P]
-        d = head.decision(flat[index[n_c : n_c + N]].float())  # [N, P]
-        logits = (c * d[index[n_c + N :]]).sum(-1) / head.scale  # [C]
-        per_question = [len(br.candidate_positions) for br in branches]
-        per_branch = list(logits.split(per_question))
+            (logits,) = self.graphs.run(("request", *plan.sizes), forward, inputs)
+        per_branch = list(logits.split(plan.candidates_per_branch))  # [K_b] per branch
         out, k = [], 0
         for q in compiled.questions:
             out.append(torch.cat(per_branch[k : k + len(q.branches)]))
             k += len(q.branches)
         return out
+
+    def _plan(self, compiled: CompiledRequest) -> "_Plan":
+        """Everything shared-prefix execution needs from the host, as int64 tensors on the CPU."""
+        m, st = self.model, compiled.state
+        merge = m.config.vision_config.spatial_merge_size
+        P = len(st.input_ids)
+        positions, next_pos = rope_index(st.input_ids, st.mm_token_type_ids, st.image_grid_thw, merge)  # [3, P]
+        # The shared part ends on a chunk boundary of the delta rule (64), so every branch sees the
+        # reference's chunking; the state tail (< 64 tokens) is re-run with each branch.
+        cut = (P // CHUNK) * CHUNK if self.align_prefix else P
+        branches = [br for q in compiled.questions for br in q.branches]
+        N, tail = len(branches), P - cut
+        # Right padding is exact for the real tokens: every layer is causal, so a pad token never
+        # influences an earlier position. Lengths round up to a multiple of 8 so graphs are reused.
+        L = -(-(tail + max(len(br.suffix_ids) for br in branches)) // 8) * 8
+        pad_id = branches[0].suffix_ids[-1]
+        suffix_ids = torch.tensor([br.suffix_ids + [pad_id] * (L - tail - len(br.suffix_ids)) for br in branches])  # [N, L - tail]
+        suffix_pos = torch.arange(next_pos, next_pos + L - tail).view(1, 1, -1).expand(3, N, -1)
+        rows_pos = torch.cat([positions[:, None, cut:].expand(3, N, -1), suffix_pos], dim=2)  # [3, N, L]
+        image_index = torch.tensor([i for i, t in enumerate(st.mm_token_type_ids) if t == 1], dtype=torch.int64)
+        # Head rows in the flattened [N * L, H] hidden states: candidates, decisions, candidate -> branch.
+        cand_rows, cand_branch, dec_rows = [], [], []
+        for k, br in enumerate(branches):
+            cand_rows += [k * L + p - cut for p in br.candidate_positions]
+            cand_branch += [k] * len(br.candidate_positions)
+            dec_rows.append(k * L + br.decision_position - cut)
+        head_index = torch.tensor(cand_rows + dec_rows + cand_branch, dtype=torch.int64)
+        parts = [torch.tensor([st.input_ids]), positions[:, None, :cut], suffix_ids, rows_pos, image_index, head_index]
+        sizes = (P, cut, N, L, len(cand_rows), len(image_index))
+        return _Plan(parts, sizes, [len(br.candidate_positions) for br in branches])
+
+    def _planned_logits(self, sizes, state_ids, prefix_pos, suffix_ids, rows_pos, image_index, head_index, features=None):
+        """Device part of shared-prefix execution (capturable: no host work): logits [C] fp32."""
+        m = self.model
+        P, cut, N, L, C, _ = sizes
+        embeds = m.text.embed(state_ids)  # [1, P, H]
+        if features is not None:
+            # As HF's masked_scatter: image features replace the <|image_pad|> embeddings in order.
+            embeds = embeds.index_copy(1, image_index, features[None].to(embeds.dtype))
+        rows = torch.cat([embeds[:, cut:].expand(N, -1, -1), m.text.embed(suffix_ids)], dim=1)  # [N, L, H]
+        if cut == 0:
+            hidden = m.text(rows, rows_pos)  # nothing to share: one batched forward
+        else:
+            hidden = self._suffix_hidden(rows, rows_pos, *self._prefix_state(embeds[:, :cut], prefix_pos))
+        flat = hidden.reshape(N * L, -1)
+        head = m.head
+        c = head.candidate(flat[head_index[:C]].float())  # [C, P]
+        d = head.decision(flat[head_index[C : C + N]].float())  # [N, P]
+        return ((c * d[head_index[C + N :]]).sum(-1) / head.scale,)  # [C]
 
     # The two phases as pure tensor functions (capturable as CUDA graphs). The state is a flat
     # tuple: per GDN layer (conv tail [1, C, K-1], recurrent state [1, Hv, Dk, Dv] fp32), per
@@ -238,11 +290,12 @@ class Engine:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
+        probs, host_logits = batch_probabilities(logits, [len(q.keys) for q in compiled.questions], self.temperature)
         answers = {
-            q.qid: answer(q.kind, q.keys, q.descriptions, lg, self.temperature) for q, lg in zip(compiled.questions, logits)
+            q.qid: answer_from_probabilities(q.kind, q.keys, q.descriptions, p) for q, p in zip(compiled.questions, probs)
         }
         resp = response(compiled, answers, model_id=self.model_id)
-        return RunResult(resp, compiled, [lg.cpu() for lg in logits], {"compile_s": t1 - t0, "model_s": t2 - t1})
+        return RunResult(resp, compiled, host_logits, {"compile_s": t1 - t0, "model_s": t2 - t1})
 
     def answer(self, request: dict) -> dict:
         return self.run(request).response

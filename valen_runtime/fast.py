@@ -20,6 +20,7 @@ own declared tolerance entry. The pure-PyTorch paths stay the CPU path and the f
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from typing import Callable
 
 import logging
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import qwen35
+from .fused_layers import enable_fused_layers, lora_project, register_delta_rule
 from .gated_delta import l2norm
 
 log = logging.getLogger(__name__)
@@ -115,10 +117,7 @@ class FusedProjection(nn.Module):
             self.lora_B = torch.block_diag(*[m.lora_B.weight.detach() * m.lora_scale for m in members])  # [sum(out), n*r]
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        out = F.linear(x, self.weight)
-        if self.lora_A is not None:
-            out = (out + F.linear(F.linear(x.float(), self.lora_A), self.lora_B)).to(out.dtype)
-        return list(out.split(self.splits, dim=-1))
+        return list(lora_project(x, self.weight, self.lora_A, self.lora_B).split(self.splits, dim=-1))
 
 
 def fuse_projections(text_model) -> None:
@@ -162,12 +161,17 @@ def compile_elementwise(text_model) -> dict:
     return fns
 
 
-def enable_fast_paths(text_model, vision_model=None, dtype: torch.dtype = torch.bfloat16, compile: bool = True) -> dict:
+def enable_fast_paths(
+    text_model, vision_model=None, dtype: torch.dtype = torch.bfloat16, compile: bool = True, fuse_layers: bool | None = None
+) -> dict:
     """Swap the CUDA kernels in at the model's seams; returns what was enabled (for reports).
 
-    FLA's Triton products run in TF32 for fp32 inputs, so fp32 models keep the PyTorch delta rule.
+    fuse_layers (default: with compile) routes every decoder layer through fused_layers' whole-layer
+    functions, compiled when compile=True. FLA's Triton products run in TF32 for fp32 inputs, so
+    fp32 models keep the PyTorch delta rule.
     """
-    enabled = {"gated_delta": "torch", "attention": "eager", "projections": "fused", "elementwise": "eager", "vision_attention": "eager"}
+    enabled = {"gated_delta": "torch", "attention": "eager", "projections": "fused", "elementwise": "eager",
+               "vision_attention": "eager", "layers": "modules"}
     use_fla = fla_available() and dtype != torch.float32
     for layer in text_model.layers:
         if hasattr(layer, "linear_attn") and use_fla:
@@ -180,10 +184,17 @@ def enable_fast_paths(text_model, vision_model=None, dtype: torch.dtype = torch.
     if vision_model is not None:
         for block in vision_model.blocks:
             block.attn.attention_core = sdpa_vision_attention
+        vision_model.patch_embed.as_linear = True
         enabled["vision_attention"] = "sdpa"
+        enabled["patch_embed"] = "linear"
     if compile:
         compile_elementwise(text_model)
         enabled["elementwise"] = "torch.compile"
+    if compile if fuse_layers is None else fuse_layers:
+        if use_fla:
+            register_delta_rule("fla", fla_chunk_gated_delta_rule)
+        enable_fused_layers(text_model, sdpa_attention, "fla" if use_fla else "torch", compile=compile)
+        enabled["layers"] = "fused, torch.compile" if compile else "fused, eager"
     return enabled
 
 
@@ -195,16 +206,21 @@ class GraphCache:
     key warms up on a side stream (Triton autotuning, cuBLAS handles), then captures.
     """
 
-    def __init__(self, pool=None):
-        self.graphs: dict = {}
+    def __init__(self, pool=None, max_graphs: int = 64):
+        self.graphs: OrderedDict = OrderedDict()  # least recently replayed first
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.max_graphs = max_graphs
 
     def __len__(self) -> int:
         return len(self.graphs)
 
     def run(self, key, fn: Callable, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         entry = self.graphs.get(key)
-        if entry is None:
+        if entry is not None:
+            self.graphs.move_to_end(key)
+        else:
+            while len(self.graphs) >= self.max_graphs:  # a server sees unbounded shape variety
+                self.graphs.popitem(last=False)
             static_in = [t.clone() for t in inputs]
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())

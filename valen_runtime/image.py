@@ -230,6 +230,15 @@ def image_to_tensor(image: Image.Image) -> torch.Tensor:
 
 def preprocess(image: Image.Image | torch.Tensor, config: ImageConfig) -> ProcessedImage:
     """One RGB image -> Qwen2-VL patches in merge order and its (t, h, w) grid in patches."""
+    return patchify(resize_for_patches(image, config), config)
+
+
+def resize_for_patches(image: Image.Image | torch.Tensor, config: ImageConfig) -> torch.Tensor:
+    """RGB image -> uint8 [1, C, H, W] resized to multiples of patch * merge (the CPU half).
+
+    The uint8 bicubic antialiased resize stays on the CPU: it is the kernel torchvision runs there,
+    and its integer arithmetic is what the reference's pixels are made of.
+    """
     pixels = image if isinstance(image, torch.Tensor) else image_to_tensor(image)
     if pixels.dtype != torch.uint8 or pixels.ndim != 3 or pixels.shape[0] != 3:
         raise ValueError(f"expected a uint8 [3, H, W] tensor, got {pixels.dtype} {tuple(pixels.shape)}")
@@ -238,11 +247,25 @@ def preprocess(image: Image.Image | torch.Tensor, config: ImageConfig) -> Proces
     if config.do_resize:
         new_height, new_width = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
         if (new_height, new_width) != (height, width):
-            # CPU uint8 bicubic with antialias: the kernel torchvision's resize calls for uint8.
             batch = F.interpolate(batch, size=[new_height, new_width], mode="bicubic", align_corners=False, antialias=True)
     height, width = batch.shape[-2:]
     if height % config.factor or width % config.factor:
         raise ValueError(f"image size {height}x{width} is not a multiple of {config.factor}; enable do_resize")
+    return batch
+
+
+def patch_grid(batch: torch.Tensor, config: ImageConfig) -> tuple[int, int, int]:
+    """(t, h, w) in patches of a still image [1, C, H, W]: one frame padded to the temporal patch."""
+    return -(-batch.shape[0] // config.temporal_patch_size), batch.shape[-2] // config.patch_size, batch.shape[-1] // config.patch_size
+
+
+def patchify(batch: torch.Tensor, config: ImageConfig) -> ProcessedImage:
+    """uint8 [1, C, H, W] -> fp32 patches [t * h * w, C * tp * p * p] on the batch's device.
+
+    Only IEEE-exact operations (cast, subtract, divide) and a permutation, so the result is the
+    same bit for bit on any device; the engine runs it next to the vision tower.
+    """
+    height, width = batch.shape[-2:]
     values = _rescale_and_normalize(batch, config)  # [1, C, H, W] fp32
 
     p, tp, m = config.patch_size, config.temporal_patch_size, config.merge_size
@@ -250,7 +273,7 @@ def preprocess(image: Image.Image | torch.Tensor, config: ImageConfig) -> Proces
     if frames.shape[1] % tp:
         frames = torch.cat([frames, frames[:, -1:].repeat(1, tp - 1, 1, 1, 1)], dim=1)
     channels = frames.shape[2]
-    grid_t, grid_h, grid_w = frames.shape[1] // tp, height // p, width // p
+    grid_t, grid_h, grid_w = patch_grid(batch, config)
     patches = frames.reshape(1, grid_t, tp, channels, grid_h // m, m, p, grid_w // m, m, p)
     # -> [1, t, h/m, w/m, m, m, C, tp, p, p]: merge-window order, then channel, time, row, column
     patches = patches.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
@@ -267,6 +290,7 @@ def _rescale_and_normalize(batch: torch.Tensor, config: ImageConfig) -> torch.Te
         if config.do_rescale:
             mean = mean * (1.0 / config.rescale_factor)
             std = std * (1.0 / config.rescale_factor)
+        mean, std = mean.to(batch.device), std.to(batch.device)  # scaled on the CPU on every device
         values = batch.to(dtype=torch.float32)
         return values.sub(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
     if config.do_rescale:

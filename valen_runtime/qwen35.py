@@ -459,8 +459,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fused_forward = None  # seam: the whole layer as one compiled function (fused_layers.py)
 
     def forward(self, x, cos, sin, mask, cache=None):
+        if self.fused_forward is not None:
+            return self.fused_forward(x, cos, sin, mask, cache)
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, cache)

@@ -30,9 +30,13 @@ class PatchEmbed(nn.Module):
         self.embed_dim = cfg.hidden_size
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
+        self.as_linear = False  # seam: the conv (kernel = stride = one patch) as one GEMM over patches
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, P] -> [N, E] in the weight dtype."""
+        w = self.proj.weight
+        if self.as_linear:  # [N, P] @ [E, P]^T + b: the same products, cuBLAS instead of an implicit-GEMM conv
+            return F.linear(pixel_values.to(device=w.device, dtype=w.dtype), w.view(w.shape[0], -1), self.proj.bias)
         x = pixel_values.view(-1, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)
         return self.proj(x.to(device=self.proj.weight.device, dtype=self.proj.weight.dtype)).view(-1, self.embed_dim)
 
@@ -113,6 +117,16 @@ class PatchMerger(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))  # exact GELU (nn.GELU())
 
 
+def grid_list(grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
+    """[n, 3] (t, h, w) tensor -> list of int triples (read on the host)."""
+    return [tuple(int(v) for v in row) for row in torch.as_tensor(grid_thw).reshape(-1, 3).tolist()]
+
+
+def frame_lengths(grids: list[tuple[int, int, int]]) -> list[int]:
+    """Patches per frame: the cu_seqlens differences of the bidirectional attention."""
+    return [h * w for t, h, w in grids for _ in range(t)]
+
+
 class VisionModel(nn.Module):
     """Qwen3_5VisionModel: patch embed + interpolated position table + blocks + merger."""
 
@@ -131,11 +145,19 @@ class VisionModel(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, P] (fp32 from the processor), grid_thw [n, 3] -> [M, out_hidden] in the model dtype."""
-        grids = [tuple(int(v) for v in row) for row in torch.as_tensor(grid_thw).reshape(-1, 3).tolist()]
+        grids = grid_list(grid_thw)
+        return self.encode(pixel_values, *self.grid_tables(grids), frame_lengths(grids))
+
+    def grid_tables(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What depends on the grids only: position embeddings [N, E] and rotary cos, sin [N, D] fp32."""
+        device = self.pos_embed.weight.device
+        return (self.position_embeddings(grids), *self.rotary(grids, device))
+
+    def encode(self, pixel_values: torch.Tensor, pos_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               lengths: list[int]) -> torch.Tensor:
+        """The tower on given grid tables: no host work, so it can be captured as a CUDA graph."""
         x = self.patch_embed(pixel_values)  # [N, E]
-        x = x + self.position_embeddings(grids)
-        cos, sin = self.rotary(grids, x.device)  # [N, D] fp32
-        lengths = [h * w for t, h, w in grids for _ in range(t)]  # cu_seqlens diffs: one chunk per frame
+        x = x + pos_embeds
         for block in self.blocks:
             x = block(x, lengths, cos, sin)
         return self.merger(x)

@@ -79,15 +79,43 @@ REQUEST = {
 }
 
 
+def _png_data_url(width: int, height: int) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    img = Image.new("RGB", (width, height))
+    img.putdata([((x * 7) % 256, (y * 3) % 256, (x * y) % 256) for y in range(height) for x in range(width)])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+# An image and a state longer than one 64-token chunk: exercises the vision graph and the
+# prefix + suffix phases (REQUEST's short state runs as one batched forward).
+REQUEST_IMAGE_LONG = {
+    "model": "valen-preview-0923",
+    "state": {"messages": [{"role": "user", "content": [
+        {"type": "image", "image": _png_data_url(96, 64)},
+        {"type": "text", "text": " ".join(["the order was charged twice and the customer asked for a refund"] * 8)},
+    ]}]},
+    "questions": REQUEST["questions"],
+}
+
+
 def test_shared_prefix_equals_per_branch_fp32_cpu(tiny_export):
     """Exact in real arithmetic; fp32 rounding only (chunk boundaries and batching move)."""
     from valen_runtime.engine import Engine
 
-    per = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="per-branch").run(REQUEST)
-    shared = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix").run(REQUEST)
-    for a, b in zip(per.logits, shared.logits):
-        torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
-    assert per.response["usage"] == shared.response["usage"]
+    per_branch = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="per-branch")
+    shared_prefix = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix")
+    for request in (REQUEST, REQUEST_IMAGE_LONG):
+        per, shared = per_branch.run(request), shared_prefix.run(request)
+        for a, b in zip(per.logits, shared.logits):
+            torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
+        assert per.response["usage"] == shared.response["usage"]
+    assert len(shared_prefix.compiler.compile(REQUEST_IMAGE_LONG).state.input_ids) > 64  # a prefix phase ran
 
 
 gpu = pytest.mark.gpu
@@ -124,14 +152,17 @@ def test_cuda_paths_agree_with_per_branch(tiny_export):
     from valen_runtime.engine import Engine
 
     for dtype, atol in (("fp32", 1e-3), ("bf16", 0.15)):
-        base = Engine.load(tiny_export["separate"], device="cuda", dtype=dtype, mode="per-branch").run(REQUEST)
+        per_branch = Engine.load(tiny_export["separate"], device="cuda", dtype=dtype, mode="per-branch")
+        bases = [per_branch.run(r) for r in (REQUEST, REQUEST_IMAGE_LONG)]
         for kernels, graphs in (("torch", False), ("fast", False), ("fast", True)):
             eng = Engine.load(tiny_export["separate"], device="cuda", dtype=dtype, mode="shared-prefix", kernels=kernels, graphs=graphs)
-            for _ in range(3):  # graphs: capture on the first call, replay after
-                res = eng.run(REQUEST)
-            for a, b in zip(base.logits, res.logits):
-                # fp32: FLA/SDPA reorder sums (TF32 off); bf16: per-branch vs shared-prefix chunking
-                assert (a - b).abs().max().item() <= atol, (dtype, kernels, graphs, a, b)
+            for request, base in zip((REQUEST, REQUEST_IMAGE_LONG), bases):
+                for _ in range(3):  # graphs: capture on the first call, replay after
+                    res = eng.run(request)
+                for a, b in zip(base.logits, res.logits):
+                    # fp32: FLA/SDPA/fused layers reorder sums (TF32 off); bf16: per-branch vs
+                    # shared-prefix chunking and the fused layers' rounding
+                    assert (a - b).abs().max().item() <= atol, (dtype, kernels, graphs, a, b)
 
 
 @gpu
@@ -140,11 +171,55 @@ def test_graph_replay_is_bitwise_equal_to_direct_execution(tiny_export):
 
     direct = Engine.load(tiny_export["separate"], device="cuda", dtype="bf16", mode="shared-prefix", kernels="fast", graphs=False)
     graphed = Engine.load(tiny_export["separate"], device="cuda", dtype="bf16", mode="shared-prefix", kernels="fast", graphs=True)
-    want = direct.run(REQUEST).logits
-    for _ in range(3):
-        got = graphed.run(REQUEST).logits
-        for a, b in zip(want, got):
-            assert torch.equal(a, b)
+    for request in (REQUEST, REQUEST_IMAGE_LONG):
+        want = direct.run(request).logits
+        for _ in range(3):
+            got = graphed.run(request).logits
+            for a, b in zip(want, got):
+                assert torch.equal(a, b)
     captured = len(graphed.graphs)
+    assert captured == 3  # REQUEST's forward, the vision tower, REQUEST_IMAGE_LONG's forward
     graphed.run(REQUEST)
-    assert captured >= 1 and len(graphed.graphs) == captured  # the same shapes replay, nothing new is captured
+    graphed.run(REQUEST_IMAGE_LONG)
+    assert len(graphed.graphs) == captured  # the same shapes replay, nothing new is captured
+
+
+@gpu
+def test_patchify_on_cuda_is_bitwise_equal_to_cpu():
+    from valen_runtime.image import ImageConfig, patchify
+
+    gen = torch.Generator().manual_seed(3)
+    batch = torch.randint(0, 256, (1, 3, 64, 96), generator=gen, dtype=torch.uint8)
+    config = ImageConfig()
+    assert torch.equal(patchify(batch.cuda(), config).pixel_values.cpu(), patchify(batch, config).pixel_values)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_compiled_fused_layers_match_module_path_cuda(tiny_export, dtype):
+    """torch.compile'd whole-layer functions (inductor, Triton) vs the module path on CUDA:
+    one-shot, then a prefix continued by a batch of suffixes."""
+    from valen_runtime.fast import enable_fast_paths
+    from valen_runtime.weights import load_model
+
+    reference = load_model(tiny_export["separate"], device="cuda", dtype=dtype).text
+    fused = load_model(tiny_export["separate"], device="cuda", dtype=dtype).text
+    assert enable_fast_paths(fused, dtype=fused.embed_tokens.weight.dtype, compile=True)["layers"] == "fused, torch.compile"
+    gen = torch.Generator().manual_seed(4)
+    H, wdtype = reference.config.hidden_size, reference.embed_tokens.weight.dtype
+    prefix = torch.randn(1, 64, H, generator=gen).to("cuda", wdtype)
+    tails = torch.randn(3, 21, H, generator=gen).to("cuda", wdtype)
+    pos = lambda b, start, n: torch.arange(start, start + n, device="cuda").view(1, 1, -1).expand(3, b, -1).contiguous()  # noqa: E731
+    with torch.no_grad():
+        outs = []
+        for model in (reference, fused):
+            cache = model.new_cache()
+            outs.append((model(prefix, pos(1, 0, 64), cache), model(tails, pos(3, 64, 21), cache.expand(3))))
+    for got, want in zip(outs[1], outs[0]):
+        diff = (got.float() - want.float()).abs()
+        # fp32: summation order only (TF32 off), same bound as the CPU test; bf16: inductor keeps
+        # eager's intermediate roundings (emulate_precision_casts), so a few ulps drift per layer.
+        if dtype == "fp32":
+            assert diff.max() <= 1e-4 * want.float().abs().max() + 5e-5, diff.max()
+        else:
+            assert diff.mean() < 0.02 and diff.max() < 0.25, (diff.mean(), diff.max())

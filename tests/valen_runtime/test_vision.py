@@ -94,3 +94,26 @@ def test_bf16_position_interpolation_rounds_weights_like_540():
     vm32.load_state_dict({k: v.float() for k, v in vm.state_dict().items()})
     assert not torch.equal(pe, vm32.position_embeddings(grids).to(torch.bfloat16))
 
+
+
+@torch.no_grad()
+def test_patch_embed_as_linear_matches_the_conv():
+    """The fast path's GEMM form of the patch conv (kernel = stride): same products, other order."""
+    _, vm = build_pair(torch.float32)
+    pixels = torch.randn(20, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(1))
+    conv = vm.patch_embed(pixels)
+    vm.patch_embed.as_linear = True
+    torch.testing.assert_close(vm.patch_embed(pixels), conv, rtol=1e-5, atol=1e-5)  # fp32 summation order only
+
+
+@torch.no_grad()
+def test_encode_on_grid_tables_equals_forward():
+    """forward = grid_tables (host work) + encode (capturable); the split changes nothing."""
+    from valen_runtime.vision import frame_lengths, grid_list
+
+    _, vm = build_pair(torch.bfloat16)
+    grid = torch.tensor(GRIDS["three images incl. two frames"])
+    n = int(grid.prod(-1).sum())
+    pixels = torch.randn(n, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(2))
+    grids = grid_list(grid)
+    assert torch.equal(vm.encode(pixels, *vm.grid_tables(grids), frame_lengths(grids)), vm(pixels, grid))

@@ -1,0 +1,122 @@
+"""valen_runtime.fused_layers (whole-layer functions) against the module path of qwen35.py.
+
+Same weights (the tiny fixture's exports, LoRA separate and merged), same inputs, one-shot and
+prefix-then-batched-suffix runs. The functions compute the same ops; what may differ is the
+causal conv (K shifted fp32 products instead of F.conv1d) and, compiled, inductor's fused
+rounding. Tolerances at each assert.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from valen_runtime.fast import enable_fast_paths
+from valen_runtime.fused_layers import causal_conv_silu, gated_delta_rule_op
+from valen_runtime.weights import load_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def pair(export_dir, dtype: str, compile: bool = False):
+    reference = load_model(export_dir, dtype=dtype)
+    fused = load_model(export_dir, dtype=dtype)
+    enabled = enable_fast_paths(fused.text, dtype=fused.dtype, compile=compile, fuse_layers=True)
+    assert enabled["layers"].startswith("fused")
+    assert all(layer.fused_forward is not None for layer in fused.text.layers)
+    return reference.text, fused.text
+
+
+def inputs(model, batch: int, length: int, start: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(batch, length, model.config.hidden_size, generator=gen).to(model.embed_tokens.weight.dtype)
+    pos = torch.arange(start, start + length).view(1, 1, -1).expand(3, batch, -1).contiguous()
+    return embeds, pos
+
+
+# fp32: only the conv's summation order and the fused projections' scale folding differ, a few
+# fp32 ulps per layer that the next layers carry on (observed max 1.5e-5 at |x| ~ 2.5).
+FP32 = dict(rtol=1e-4, atol=5e-5)
+
+
+def close(got, want, dtype):
+    if dtype == "fp32":
+        torch.testing.assert_close(got, want, **FP32)
+    else:
+        # bf16: a few-ulp rounding difference in one place can propagate through the layers;
+        # the module path itself differs from fp32 by far more (tests/valen_runtime/test_qwen35.py).
+        diff = (got.float() - want.float()).abs()
+        assert diff.mean() < 0.02 and diff.max() < 0.25, (diff.mean(), diff.max())
+
+
+@pytest.mark.parametrize("mode", ["separate", "merged"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_shot_forward_matches_module_path(tiny_export, mode, dtype):
+    reference, fused = pair(tiny_export[mode], dtype)
+    embeds, pos = inputs(reference, 2, 37, 0, seed=1)
+    close(fused(embeds, pos), reference(embeds, pos), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_prefix_then_batched_suffixes_match_module_path(tiny_export, dtype):
+    reference, fused = pair(tiny_export["separate"], dtype)
+    prefix, prefix_pos = inputs(reference, 1, 64, 0, seed=2)
+    tails, tails_pos = inputs(reference, 3, 21, 64, seed=3)
+    outs = []
+    for model in (reference, fused):
+        cache = model.new_cache()
+        head = model(prefix, prefix_pos, cache)
+        outs.append((head, model(tails, tails_pos, cache.expand(3)), cache))
+    (ref_head, ref_tail, ref_cache), (head, tail, cache) = outs
+    close(head, ref_head, dtype)
+    close(tail, ref_tail, dtype)
+    for i, kind in enumerate(ref_cache.layer_types):  # the cache the suffix continued from
+        pairs = ((cache.conv_states[i], ref_cache.conv_states[i]), (cache.recurrent_states[i], ref_cache.recurrent_states[i])) \
+            if kind == "linear_attention" else ((cache.keys[i], ref_cache.keys[i]), (cache.values[i], ref_cache.values[i]))
+        for got, want in pairs:
+            assert got.shape == want.shape and got.dtype == want.dtype
+            close(got, want, dtype)
+
+
+def test_causal_conv_continues_exactly_like_one_pass():
+    gen = torch.Generator().manual_seed(4)
+    C, K = 12, 4
+    weight = torch.randn(C, 1, K, generator=gen)
+    x = torch.randn(2, 30, C, generator=gen)
+    conv = torch.nn.functional.conv1d(x.transpose(1, 2), weight, padding=K - 1, groups=C)[:, :, :30]
+    want = torch.nn.functional.silu(conv).transpose(1, 2)
+    whole, tail = causal_conv_silu(x, torch.zeros(2, C, K - 1), weight)
+    torch.testing.assert_close(whole, want, **FP32)
+    first, mid = causal_conv_silu(x[:, :11], torch.zeros(2, C, K - 1), weight)
+    second, end = causal_conv_silu(x[:, 11:], mid, weight)
+    torch.testing.assert_close(torch.cat([first, second], dim=1), want, **FP32)
+    assert torch.equal(end, tail) and torch.equal(tail, x[:, -(K - 1):].transpose(1, 2))
+
+
+def test_delta_rule_op_equals_the_torch_rule_it_wraps():
+    from valen_runtime.gated_delta import chunk_gated_delta_rule, l2norm
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, D = 2, 19, 3, 8
+    q, k, v = (torch.randn(B, T, H, D, generator=gen) for _ in range(3))
+    q, k = l2norm(q), l2norm(k)
+    g, beta = -torch.rand(B, T, H, generator=gen), torch.rand(B, T, H, generator=gen)
+    state = torch.randn(B, H, D, D, generator=gen)
+    out, final = gated_delta_rule_op(q, k, v, g, beta, state, "torch")
+    want_out, want_final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=False)
+    assert torch.equal(out, want_out) and torch.equal(final, want_final)
+
+
+@pytest.mark.slow
+def test_compiled_layers_match_module_path_cpu(tiny_export):
+    """torch.compile (inductor, C++ on the CPU) of the same functions; fp32."""
+    reference, fused = pair(tiny_export["separate"], "fp32", compile=True)
+    for batch, length, seed in ((1, 64, 6), (3, 21, 7)):
+        embeds, pos = inputs(reference, batch, length, 0, seed=seed)
+        close(fused(embeds, pos), reference(embeds, pos), "fp32")

@@ -1,0 +1,280 @@
+"""Whole decoder layers as pure tensor functions, so torch.compile can fuse them (CUDA fast path).
+
+The module path (qwen35.py) launches ~60 kernels per layer: every norm, cast, gate, residual
+and LoRA add is its own launch, and at Valen's request sizes launches, not FLOPs, are the cost.
+Here a layer is one function of tensors only (weights passed in, no module state, no cache
+object), so one torch.compile of `gdn_layer` / `attention_layer` serves all 24 layers and every
+shape, and inductor fuses everything between the GEMMs, the delta-rule kernel and attention into
+a few kernels. The delta rule enters as one opaque custom op (FLA's Triton kernel or the PyTorch
+chunked rule), so the graph is whole.
+
+The arithmetic is the module path's, call for call (the same helpers from qwen35 and
+gated_delta); the differences are inductor's fused rounding (bf16 intermediate casts are kept:
+`emulate_precision_casts`) and the causal conv written as K shifted products in fp32. Tested
+against the module path uncompiled on the CPU and compiled on CUDA; valen-parity measures the
+whole fast path against the reference.
+
+Shape letters as in qwen35.py; W weights, A / B the FP32 LoRA factors (B pre-scaled, None when
+the export is merged).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .gated_delta import chunk_gated_delta_rule, l2norm
+from .qwen35 import apply_rotary, decay_and_beta, rms_norm, rms_norm_gated
+
+# ---------------------------------------------------------------------------------------------
+# The delta rule as one custom op (opaque to the compiler)
+
+_DELTA_RULES: dict[str, Callable] = {"torch": chunk_gated_delta_rule}
+
+
+def register_delta_rule(name: str, fn: Callable) -> None:
+    """Make `fn` (gated_delta.chunk_gated_delta_rule's signature) selectable as impl=`name`."""
+    _DELTA_RULES[name] = fn
+
+
+@torch.library.custom_op("valen::gated_delta_rule", mutates_args=())
+def gated_delta_rule_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor, impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k already L2-normalised [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dk, Dv] fp32."""
+    out, final = _DELTA_RULES[impl](
+        q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=False
+    )
+    return out.contiguous(), final.contiguous()
+
+
+@gated_delta_rule_op.register_fake
+def _(q, k, v, g, beta, initial_state, impl):
+    return v.new_empty(v.shape), initial_state.new_empty(initial_state.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+def lora_project(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T plus PEFT's unmerged FP32 LoRA (x cast to fp32, B(A(x)) added in fp32, one cast back)."""
+    out = F.linear(x, weight)
+    if lora_a is None:
+        return out
+    return (out + F.linear(F.linear(x.float(), lora_a), lora_b)).to(out.dtype)
+
+
+def mlp_residual(x: torch.Tensor, eps: float, w: "MlpWeights") -> torch.Tensor:
+    """x + MLP(post_attention_layernorm(x)) with the gate and up projections as one GEMM."""
+    h = rms_norm(x, w.post_norm, eps)
+    gate, up = lora_project(h, w.gate_up, w.gate_up_a, w.gate_up_b).chunk(2, dim=-1)  # [B, T, I] each
+    return x + lora_project(F.silu(gate) * up, w.down, w.down_a, w.down_b)
+
+
+def causal_conv_silu(mixed: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU, continuing from the last K-1 inputs.
+
+    mixed [B, T, C], prev [B, C, K-1] (zeros at the start), weight [C, 1, K] ->
+    out [B, T, C] (conv summed in fp32, rounded once, then SiLU as F.silu does on it) and the new
+    tail [B, C, K-1].
+    """
+    K, T = weight.shape[-1], mixed.shape[1]
+    full = torch.cat([prev.transpose(1, 2).to(mixed.dtype), mixed], dim=1)  # [B, K-1+T, C]
+    w = weight[:, 0, :].float()  # [C, K]
+    acc = full[:, 0:T].float() * w[:, 0]
+    for j in range(1, K):
+        acc = acc + full[:, j : j + T].float() * w[:, j]
+    out = F.silu(acc.to(mixed.dtype))
+    return out, full[:, T:].transpose(1, 2)  # tail [B, C, K-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights, gathered once from the loaded modules (the fused projections' storage, no copies but the
+# small scale-folded LoRA B factors). NamedTuples, because the compiler flattens them into plain
+# tensor inputs: one compiled function serves every layer.
+
+
+class MlpWeights(NamedTuple):
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2I, H]
+    gate_up_a: torch.Tensor | None
+    gate_up_b: torch.Tensor | None
+    down: torch.Tensor
+    down_a: torch.Tensor | None
+    down_b: torch.Tensor | None
+
+
+class GdnWeights(NamedTuple):
+    input_norm: torch.Tensor
+    in_proj: torch.Tensor  # [C + Hv*Dv + Hv + Hv, H]: qkv | z | b | a
+    in_proj_a: torch.Tensor | None
+    in_proj_b: torch.Tensor | None
+    conv: torch.Tensor  # [C, 1, K]
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    gated_norm: torch.Tensor
+    out_proj: torch.Tensor
+    out_proj_a: torch.Tensor | None
+    out_proj_b: torch.Tensor | None
+    mlp: MlpWeights
+
+
+class AttentionWeights(NamedTuple):
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [Hq*2D + 2*Hk*D, H]: q|gate, k, v
+    qkv_a: torch.Tensor | None
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+    o_proj_a: torch.Tensor | None
+    o_proj_b: torch.Tensor | None
+    mlp: MlpWeights
+
+
+def _single(m) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A lone projection: W, and its LoRA A and scale-folded B (None when merged)."""
+    if m.lora_A is None:
+        return m.weight, None, None
+    return m.weight, m.lora_A.weight, m.lora_B.weight * m.lora_scale
+
+
+def _fused(f) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A fast.FusedProjection: the concatenated W, stacked A and block-diagonal scaled B."""
+    if f is None:
+        raise ValueError("fused layers need the fused projections first (fast.fuse_projections)")
+    return f.weight, f.lora_A, f.lora_B
+
+
+def gather_weights(layer) -> GdnWeights | AttentionWeights:
+    """One decoder layer's tensors in the order the layer functions read them (no weight copies)."""
+    mlp = layer.mlp
+    mlp_w = MlpWeights(layer.post_attention_layernorm.weight, *_fused(mlp.fused_gate_up), *_single(mlp.down_proj))
+    if layer.layer_type == "linear_attention":
+        gdn = layer.linear_attn
+        return GdnWeights(layer.input_layernorm.weight, *_fused(gdn.fused_in_proj), gdn.conv1d.weight,
+                          gdn.A_log, gdn.dt_bias, gdn.norm.weight, *_single(gdn.out_proj), mlp_w)
+    att = layer.self_attn
+    return AttentionWeights(layer.input_layernorm.weight, *_fused(att.fused_qkv), att.q_norm.weight,
+                            att.k_norm.weight, *_single(att.o_proj), mlp_w)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layers
+
+
+def make_layer_fns(cfg, attention_core: Callable, delta_impl: str):
+    """gdn_layer / attention_layer for one text config; sizes are closure constants to the compiler."""
+    eps = cfg.rms_norm_eps
+    Hkl, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    key_dim, value_dim = Hkl * Dk, Hv * Dv
+    in_splits = [2 * key_dim + value_dim, value_dim, Hv, Hv]
+    D, Hq, Hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    qkv_splits = [Hq * D * 2, Hk * D, Hk * D]
+    scaling = D**-0.5
+
+    def gdn_layer(x, conv_prev, state_prev, w: GdnWeights):
+        """x [B, T, H], conv_prev [B, C, K-1], state_prev [B, Hv, Dk, Dv] fp32 -> (x, conv tail, state)."""
+        B, T, _ = x.shape
+        h = rms_norm(x, w.input_norm, eps)
+        mixed, z, b, a = lora_project(h, w.in_proj, w.in_proj_a, w.in_proj_b).split(in_splits, dim=-1)
+        mixed, conv_tail = causal_conv_silu(mixed, conv_prev, w.conv)  # [B, T, C]
+        q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
+        q, k = l2norm(q.reshape(B, T, Hkl, Dk)), l2norm(k.reshape(B, T, Hkl, Dk))  # in the activation dtype
+        if Hv // Hkl > 1:
+            q, k = q.repeat_interleave(Hv // Hkl, dim=2), k.repeat_interleave(Hv // Hkl, dim=2)
+        g, beta = decay_and_beta(a, b, w.A_log, w.dt_bias)  # [B, T, Hv]
+        core, state = gated_delta_rule_op(q, k, v.reshape(B, T, Hv, Dv), g, beta, state_prev, delta_impl)
+        out = rms_norm_gated(core.reshape(-1, Dv), z.reshape(-1, Dv), w.gated_norm, eps).reshape(B, T, -1)
+        x = x + lora_project(out, w.out_proj, w.out_proj_a, w.out_proj_b)
+        return mlp_residual(x, eps, w.mlp), conv_tail, state
+
+    def attention_layer(x, cos, sin, mask, k_prev, v_prev, w: AttentionWeights):
+        """x [B, T, H], cos / sin [B, T, R], k_prev / v_prev [B, Hk, S-T, D] or None -> (x, keys, values)."""
+        B, T, _ = x.shape
+        h = rms_norm(x, w.input_norm, eps)
+        q_out, k_out, v_out = lora_project(h, w.qkv, w.qkv_a, w.qkv_b).split(qkv_splits, dim=-1)
+        q, gate = torch.chunk(q_out.reshape(B, T, -1, D * 2), 2, dim=-1)
+        q = rms_norm(q.reshape(B, T, -1, D), w.q_norm, eps).transpose(1, 2)  # [B, Hq, T, D]
+        k = rms_norm(k_out.reshape(B, T, -1, D), w.k_norm, eps).transpose(1, 2)  # [B, Hk, T, D]
+        v = v_out.reshape(B, T, -1, D).transpose(1, 2)
+        q, k = apply_rotary(q, k, cos, sin)
+        if k_prev is not None:
+            k, v = torch.cat([k_prev, k], dim=2), torch.cat([v_prev, v], dim=2)  # [B, Hk, S, D]
+        out = attention_core(q, k, v, mask, scaling).reshape(B, T, -1)  # [B, T, Hq*D]
+        out = out * torch.sigmoid(gate.reshape(B, T, -1))
+        x = x + lora_project(out, w.o_proj, w.o_proj_a, w.o_proj_b)
+        return mlp_residual(x, eps, w.mlp), k, v
+
+    return gdn_layer, attention_layer
+
+
+def _dynamic(t: torch.Tensor, *dims: int) -> None:
+    for d in dims:
+        torch._dynamo.maybe_mark_dynamic(t, d)
+
+
+class FusedLayer:
+    """Stands in for a DecoderLayer's forward (the `fused_forward` seam): moves the cache entries in
+    and out of the layer function, which sees tensors only."""
+
+    def __init__(self, layer, fn: Callable):
+        self.layer_idx = layer.linear_attn.layer_idx if layer.layer_type == "linear_attention" else layer.self_attn.layer_idx
+        self.kind = layer.layer_type
+        self.weights = gather_weights(layer)
+        self.fn = fn
+        if self.kind == "linear_attention":
+            gdn = layer.linear_attn
+            self.conv_shape = (gdn.conv_dim, gdn.kernel_size - 1)
+            self.state_shape = (gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)
+
+    def __call__(self, x, cos, sin, mask, cache=None):
+        i = self.layer_idx
+        # Batch and lengths vary per request: compile those dims symbolic from the start (all other
+        # sizes stay static, so one compile per layer kind and cache shape serves every request).
+        _dynamic(x, 0, 1)
+        if self.kind == "linear_attention":
+            B = x.shape[0]
+            prev = cache.conv_states[i] if cache is not None else None
+            state = cache.recurrent_states[i] if cache is not None else None
+            if prev is None:  # a fresh sequence: zero history, as the padded conv and a zero state
+                prev = x.new_zeros(B, *self.conv_shape)
+                state = torch.zeros(B, *self.state_shape, dtype=torch.float32, device=x.device)
+            _dynamic(prev, 0)
+            _dynamic(state, 0)
+            x, tail, state = self.fn(x, prev, state, self.weights)
+            if cache is not None:
+                cache.conv_states[i], cache.recurrent_states[i] = tail, state
+            return x
+        k_prev = cache.keys[i] if cache is not None else None
+        v_prev = cache.values[i] if cache is not None else None
+        _dynamic(cos, 0, 1)
+        _dynamic(sin, 0, 1)
+        _dynamic(mask, 2, 3)
+        if k_prev is not None:
+            _dynamic(k_prev, 0, 2)
+            _dynamic(v_prev, 0, 2)
+        x, k, v = self.fn(x, cos, sin, mask, k_prev, v_prev, self.weights)
+        if cache is not None:
+            cache.keys[i], cache.values[i] = k, v
+        return x
+
+
+def enable_fused_layers(text_model, attention_core: Callable, delta_impl: str, compile: bool = True) -> None:
+    """Route every decoder layer through the (compiled) layer functions."""
+    gdn_layer, attention_layer = make_layer_fns(text_model.config, attention_core, delta_impl)
+    if compile:
+        # Each (batch 1 / batch N, with / without cached keys, LoRA / merged) combination is one
+        # compiled variant per function; the default limit of 8 would silently fall back to eager.
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, 64)
+        options = {"emulate_precision_casts": True}  # keep eager's bf16 roundings between fused ops
+        gdn_layer = torch.compile(gdn_layer, fullgraph=True, options=options)
+        attention_layer = torch.compile(attention_layer, fullgraph=True, options=options)
+    for layer in text_model.layers:
+        fn = gdn_layer if layer.layer_type == "linear_attention" else attention_layer
+        layer.fused_forward = FusedLayer(layer, fn)
