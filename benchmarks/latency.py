@@ -160,7 +160,8 @@ def main() -> None:
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             try:
-                slow = kw["mode"] == "per-branch"  # reference-shaped: as slow as the reference, fewer repeats
+                # Reference-shaped and un-graphed configurations are slow and only context: fewer repeats.
+                slow = kw["mode"] == "per-branch" or not kw.get("graphs")
                 times, result = time_engine(engine, req, 3 if slow else args.iters, 1 if slow else args.warmup)
             except Exception as e:  # record, don't hide: a failing configuration is a result too
                 row["modes"][label] = {"error": f"{type(e).__name__}: {e}"}

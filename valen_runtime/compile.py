@@ -12,6 +12,7 @@ import base64
 import binascii
 import json
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,6 +186,21 @@ class Compiler:
         self.image_token_id = tokenizer.token_id(self.image_token)
         self.video_token = tokenizer.special_tokens_map.get("video_token", "<|video_pad|>")
         self.video_token_id = tokenizer.token_id(self.video_token)
+        # Question pieces recur from request to request (an agent asks the same questions of
+        # every new state): their token ids are cached, the state is always tokenized afresh.
+        self._piece_ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self.piece_cache_size = 4096
+
+    def _encode_piece(self, text: str) -> list[int]:
+        """`tokenizer.encode(text)` for a question piece, through a bounded LRU cache."""
+        ids = self._piece_ids.get(text)
+        if ids is None:
+            ids = self._piece_ids[text] = tuple(self.tokenizer.encode(text))
+            if len(self._piece_ids) > self.piece_cache_size:
+                self._piece_ids.popitem(last=False)
+        else:
+            self._piece_ids.move_to_end(text)
+        return list(ids)
 
     @classmethod
     def from_dir(cls, export_dir: Path, max_length: int = DEFAULT_MAX_LENGTH, media_kwargs: dict | None = None) -> "Compiler":
@@ -452,7 +468,7 @@ class Compiler:
         return StateInputs(input_ids, mm_token_type_ids, resized, grid_thw, self.image_config)
 
     def _compile_question(self, question: _ParsedQuestion, base_length: int) -> Question:
-        encode = self.tokenizer.encode
+        encode = self._encode_piece
         if question.kind == "score":
             groups = [[candidate] for candidate in question.candidates]  # one grade per branch
         else:

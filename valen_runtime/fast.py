@@ -161,6 +161,22 @@ def compile_elementwise(text_model) -> dict:
     return fns
 
 
+def compiled_vision_block() -> Callable:
+    """One torch.compile'd function for every vision block (the block's weights are its inputs)."""
+
+    def run_block(block, x, lengths, cos, sin):
+        return block(x, lengths, cos, sin)
+
+    compiled = torch.compile(run_block, fullgraph=True, options={"emulate_precision_casts": True})
+
+    def run(block, x, lengths, cos, sin):
+        for t in (x, cos, sin):  # patch count varies per image: symbolic from the first compile
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return compiled(block, x, lengths, cos, sin)
+
+    return run
+
+
 def enable_fast_paths(
     text_model, vision_model=None, dtype: torch.dtype = torch.bfloat16, compile: bool = True, fuse_layers: bool | None = None
 ) -> dict:
@@ -190,6 +206,9 @@ def enable_fast_paths(
     if compile:
         compile_elementwise(text_model)
         enabled["elementwise"] = "torch.compile"
+        if vision_model is not None:
+            vision_model.run_block = compiled_vision_block()
+            enabled["vision_blocks"] = "torch.compile"
     if compile if fuse_layers is None else fuse_layers:
         if use_fla:
             register_delta_rule("fla", fla_chunk_gated_delta_rule)

@@ -20,6 +20,7 @@ the export is merged).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -68,11 +69,33 @@ def lora_project(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | N
     return (out + F.linear(F.linear(x.float(), lora_a), lora_b)).to(out.dtype)
 
 
+def project(x: torch.Tensor, p: "Projection") -> torch.Tensor:
+    """x @ W^T for projections fused along the output, plus each member's FP32 LoRA.
+
+    The LoRA B products run as one batched GEMM over equal row blocks of the members
+    ([G, M, r] @ [G, r, Nb]) rather than one block-diagonal GEMM whose zero blocks would multiply
+    the work by the member count; each output is still one r-term fp32 sum, as in PEFT.
+    """
+    out = F.linear(x, p.weight)
+    if p.lora_a is None:
+        return out
+    h = F.linear(x.float(), p.lora_a)  # [..., n*r]: every member's A(x)
+    r = p.lora_b.shape[-1]
+    lead = h.shape[:-1]
+    per_member = h.reshape(-1, h.shape[-1] // r, r)  # [M, n, r]
+    lhs = per_member[:, list(p.groups)].transpose(0, 1)  # [G, M, r]: each block's member
+    delta = torch.bmm(lhs, p.lora_b.transpose(1, 2)).transpose(0, 1).reshape(*lead, -1)  # [..., G*Nb]
+    if p.lora_b_small is not None:  # trailing members too narrow to block (GDN's b and a: Hv rows)
+        n_big = p.groups[-1] + 1
+        delta = torch.cat([delta, F.linear(h[..., n_big * r :], p.lora_b_small)], dim=-1)
+    return (out + delta).to(out.dtype)
+
+
 def mlp_residual(x: torch.Tensor, eps: float, w: "MlpWeights") -> torch.Tensor:
     """x + MLP(post_attention_layernorm(x)) with the gate and up projections as one GEMM."""
     h = rms_norm(x, w.post_norm, eps)
-    gate, up = lora_project(h, w.gate_up, w.gate_up_a, w.gate_up_b).chunk(2, dim=-1)  # [B, T, I] each
-    return x + lora_project(F.silu(gate) * up, w.down, w.down_a, w.down_b)
+    gate, up = project(h, w.gate_up).chunk(2, dim=-1)  # [B, T, I] each
+    return x + project(F.silu(gate) * up, w.down)
 
 
 def causal_conv_silu(mixed: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,74 +116,89 @@ def causal_conv_silu(mixed: torch.Tensor, prev: torch.Tensor, weight: torch.Tens
 
 
 # ---------------------------------------------------------------------------------------------
-# Weights, gathered once from the loaded modules (the fused projections' storage, no copies but the
-# small scale-folded LoRA B factors). NamedTuples, because the compiler flattens them into plain
-# tensor inputs: one compiled function serves every layer.
+# Weights, gathered once from the loaded modules (the fused projections' storage; the LoRA factors
+# are small fp32 copies with the scale folded into B). NamedTuples, because the compiler flattens
+# them into plain tensor inputs: one compiled function serves every layer.
+
+
+class Projection(NamedTuple):
+    """Projections of one input fused along the output, with their LoRA factors (None when merged)."""
+
+    weight: torch.Tensor  # [sum N_i, in]
+    lora_a: torch.Tensor | None  # [n*r, in] fp32: every member's A, stacked
+    lora_b: torch.Tensor | None  # [G, Nb, r] fp32, scale folded: the wide members cut into Nb-row blocks
+    lora_b_small: torch.Tensor | None  # [sum N_small, n_small*r] block-diagonal, the narrow trailing members
+    groups: tuple[int, ...]  # the member each Nb block belongs to
 
 
 class MlpWeights(NamedTuple):
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2I, H]
-    gate_up_a: torch.Tensor | None
-    gate_up_b: torch.Tensor | None
-    down: torch.Tensor
-    down_a: torch.Tensor | None
-    down_b: torch.Tensor | None
+    gate_up: Projection  # [2I, H]
+    down: Projection
 
 
 class GdnWeights(NamedTuple):
     input_norm: torch.Tensor
-    in_proj: torch.Tensor  # [C + Hv*Dv + Hv + Hv, H]: qkv | z | b | a
-    in_proj_a: torch.Tensor | None
-    in_proj_b: torch.Tensor | None
+    in_proj: Projection  # [C + Hv*Dv + Hv + Hv, H]: qkv | z | b | a
     conv: torch.Tensor  # [C, 1, K]
     A_log: torch.Tensor
     dt_bias: torch.Tensor
     gated_norm: torch.Tensor
-    out_proj: torch.Tensor
-    out_proj_a: torch.Tensor | None
-    out_proj_b: torch.Tensor | None
+    out_proj: Projection
     mlp: MlpWeights
 
 
 class AttentionWeights(NamedTuple):
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [Hq*2D + 2*Hk*D, H]: q|gate, k, v
-    qkv_a: torch.Tensor | None
-    qkv_b: torch.Tensor | None
+    qkv: Projection  # [Hq*2D + 2*Hk*D, H]: q|gate, k, v
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    o_proj: torch.Tensor
-    o_proj_a: torch.Tensor | None
-    o_proj_b: torch.Tensor | None
+    o_proj: Projection
     mlp: MlpWeights
 
 
-def _single(m) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """A lone projection: W, and its LoRA A and scale-folded B (None when merged)."""
-    if m.lora_A is None:
-        return m.weight, None, None
-    return m.weight, m.lora_A.weight, m.lora_B.weight * m.lora_scale
+NARROW = 256  # members with fewer output rows are not worth a block of their own
 
 
-def _fused(f) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """A fast.FusedProjection: the concatenated W, stacked A and block-diagonal scaled B."""
-    if f is None:
+def projection(members: list, fused=None) -> Projection:
+    """Gather one (fused) projection: W from `fused` (a fast.FusedProjection) or the lone member."""
+    weight = fused.weight if fused is not None else members[0].weight
+    if len(members) > 1 and fused is None:
         raise ValueError("fused layers need the fused projections first (fast.fuse_projections)")
-    return f.weight, f.lora_A, f.lora_B
+    if all(m.lora_A is None for m in members):
+        return Projection(weight, None, None, None, ())
+    if any(m.lora_A is None for m in members):
+        raise ValueError("cannot fuse projections where only some carry a LoRA adapter")
+    ranks = {m.lora_A.weight.shape[0] for m in members}
+    if len(ranks) != 1:
+        raise ValueError(f"fused projections need one LoRA rank, got {sorted(ranks)}")
+    (r,) = ranks
+    sizes = [m.out_features for m in members]
+    n_wide = len(sizes)
+    while n_wide > 1 and sizes[n_wide - 1] < NARROW:
+        n_wide -= 1
+    block = math.gcd(*sizes[:n_wide])
+    groups = tuple(i for i in range(n_wide) for _ in range(sizes[i] // block))
+    scaled = [m.lora_B.weight.detach() * m.lora_scale for m in members]  # [N_i, r] fp32
+    lora_b = torch.cat([b.view(-1, block, r) for b in scaled[:n_wide]])  # [G, Nb, r]
+    small = torch.block_diag(*scaled[n_wide:]) if n_wide < len(members) else None
+    lora_a = torch.cat([m.lora_A.weight.detach() for m in members])
+    return Projection(weight, lora_a, lora_b, small, groups)
 
 
 def gather_weights(layer) -> GdnWeights | AttentionWeights:
     """One decoder layer's tensors in the order the layer functions read them (no weight copies)."""
     mlp = layer.mlp
-    mlp_w = MlpWeights(layer.post_attention_layernorm.weight, *_fused(mlp.fused_gate_up), *_single(mlp.down_proj))
+    mlp_w = MlpWeights(layer.post_attention_layernorm.weight,
+                       projection([mlp.gate_proj, mlp.up_proj], mlp.fused_gate_up), projection([mlp.down_proj]))
     if layer.layer_type == "linear_attention":
         gdn = layer.linear_attn
-        return GdnWeights(layer.input_layernorm.weight, *_fused(gdn.fused_in_proj), gdn.conv1d.weight,
-                          gdn.A_log, gdn.dt_bias, gdn.norm.weight, *_single(gdn.out_proj), mlp_w)
+        in_proj = projection([gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a], gdn.fused_in_proj)
+        return GdnWeights(layer.input_layernorm.weight, in_proj, gdn.conv1d.weight, gdn.A_log, gdn.dt_bias,
+                          gdn.norm.weight, projection([gdn.out_proj]), mlp_w)
     att = layer.self_attn
-    return AttentionWeights(layer.input_layernorm.weight, *_fused(att.fused_qkv), att.q_norm.weight,
-                            att.k_norm.weight, *_single(att.o_proj), mlp_w)
+    return AttentionWeights(layer.input_layernorm.weight, projection([att.q_proj, att.k_proj, att.v_proj], att.fused_qkv),
+                            att.q_norm.weight, att.k_norm.weight, projection([att.o_proj]), mlp_w)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +219,7 @@ def make_layer_fns(cfg, attention_core: Callable, delta_impl: str):
         """x [B, T, H], conv_prev [B, C, K-1], state_prev [B, Hv, Dk, Dv] fp32 -> (x, conv tail, state)."""
         B, T, _ = x.shape
         h = rms_norm(x, w.input_norm, eps)
-        mixed, z, b, a = lora_project(h, w.in_proj, w.in_proj_a, w.in_proj_b).split(in_splits, dim=-1)
+        mixed, z, b, a = project(h, w.in_proj).split(in_splits, dim=-1)
         mixed, conv_tail = causal_conv_silu(mixed, conv_prev, w.conv)  # [B, T, C]
         q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
         q, k = l2norm(q.reshape(B, T, Hkl, Dk)), l2norm(k.reshape(B, T, Hkl, Dk))  # in the activation dtype
@@ -190,14 +228,14 @@ def make_layer_fns(cfg, attention_core: Callable, delta_impl: str):
         g, beta = decay_and_beta(a, b, w.A_log, w.dt_bias)  # [B, T, Hv]
         core, state = gated_delta_rule_op(q, k, v.reshape(B, T, Hv, Dv), g, beta, state_prev, delta_impl)
         out = rms_norm_gated(core.reshape(-1, Dv), z.reshape(-1, Dv), w.gated_norm, eps).reshape(B, T, -1)
-        x = x + lora_project(out, w.out_proj, w.out_proj_a, w.out_proj_b)
+        x = x + project(out, w.out_proj)
         return mlp_residual(x, eps, w.mlp), conv_tail, state
 
     def attention_layer(x, cos, sin, mask, k_prev, v_prev, w: AttentionWeights):
         """x [B, T, H], cos / sin [B, T, R], k_prev / v_prev [B, Hk, S-T, D] or None -> (x, keys, values)."""
         B, T, _ = x.shape
         h = rms_norm(x, w.input_norm, eps)
-        q_out, k_out, v_out = lora_project(h, w.qkv, w.qkv_a, w.qkv_b).split(qkv_splits, dim=-1)
+        q_out, k_out, v_out = project(h, w.qkv).split(qkv_splits, dim=-1)
         q, gate = torch.chunk(q_out.reshape(B, T, -1, D * 2), 2, dim=-1)
         q = rms_norm(q.reshape(B, T, -1, D), w.q_norm, eps).transpose(1, 2)  # [B, Hq, T, D]
         k = rms_norm(k_out.reshape(B, T, -1, D), w.k_norm, eps).transpose(1, 2)  # [B, Hk, T, D]
@@ -207,7 +245,7 @@ def make_layer_fns(cfg, attention_core: Callable, delta_impl: str):
             k, v = torch.cat([k_prev, k], dim=2), torch.cat([v_prev, v], dim=2)  # [B, Hk, S, D]
         out = attention_core(q, k, v, mask, scaling).reshape(B, T, -1)  # [B, T, Hq*D]
         out = out * torch.sigmoid(gate.reshape(B, T, -1))
-        x = x + lora_project(out, w.o_proj, w.o_proj_a, w.o_proj_b)
+        x = x + project(out, w.o_proj)
         return mlp_residual(x, eps, w.mlp), k, v
 
     return gdn_layer, attention_layer
@@ -222,15 +260,24 @@ class FusedLayer:
     """Stands in for a DecoderLayer's forward (the `fused_forward` seam): moves the cache entries in
     and out of the layer function, which sees tensors only."""
 
-    def __init__(self, layer, fn: Callable):
+    def __init__(self, layer, fn: Callable, zeros: dict | None = None):
         self.layer_idx = layer.linear_attn.layer_idx if layer.layer_type == "linear_attention" else layer.self_attn.layer_idx
         self.kind = layer.layer_type
         self.weights = gather_weights(layer)
         self.fn = fn
+        self.zeros = zeros if zeros is not None else {}
         if self.kind == "linear_attention":
             gdn = layer.linear_attn
             self.conv_shape = (gdn.conv_dim, gdn.kernel_size - 1)
             self.state_shape = (gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)
+
+    def _zero_history(self, batch: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero conv history and recurrent state, shared by all layers (the functions only read them)."""
+        key = (batch, x.dtype, x.device)
+        if key not in self.zeros:
+            self.zeros[key] = (x.new_zeros(batch, *self.conv_shape),
+                               torch.zeros(batch, *self.state_shape, dtype=torch.float32, device=x.device))
+        return self.zeros[key]
 
     def __call__(self, x, cos, sin, mask, cache=None):
         i = self.layer_idx
@@ -242,8 +289,7 @@ class FusedLayer:
             prev = cache.conv_states[i] if cache is not None else None
             state = cache.recurrent_states[i] if cache is not None else None
             if prev is None:  # a fresh sequence: zero history, as the padded conv and a zero state
-                prev = x.new_zeros(B, *self.conv_shape)
-                state = torch.zeros(B, *self.state_shape, dtype=torch.float32, device=x.device)
+                prev, state = self._zero_history(B, x)
             _dynamic(prev, 0)
             _dynamic(state, 0)
             x, tail, state = self.fn(x, prev, state, self.weights)
@@ -275,6 +321,7 @@ def enable_fused_layers(text_model, attention_core: Callable, delta_impl: str, c
         options = {"emulate_precision_casts": True}  # keep eager's bf16 roundings between fused ops
         gdn_layer = torch.compile(gdn_layer, fullgraph=True, options=options)
         attention_layer = torch.compile(attention_layer, fullgraph=True, options=options)
+    zeros: dict = {}  # one zero history per batch size for every layer
     for layer in text_model.layers:
         fn = gdn_layer if layer.layer_type == "linear_attention" else attention_layer
-        layer.fused_forward = FusedLayer(layer, fn)
+        layer.fused_forward = FusedLayer(layer, fn, zeros)

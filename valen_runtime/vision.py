@@ -139,6 +139,7 @@ class VisionModel(nn.Module):
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
+        self.run_block = None  # seam: (block, x, lengths, cos, sin) -> x, e.g. one compiled function for all blocks
         # Qwen3_5VisionRotaryEmbedding(head_dim // 2), theta 10000: fp32 on the CPU, outside the state dict.
         dim = cfg.head_dim // 2
         self.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
@@ -159,7 +160,7 @@ class VisionModel(nn.Module):
         x = self.patch_embed(pixel_values)  # [N, E]
         x = x + pos_embeds
         for block in self.blocks:
-            x = block(x, lengths, cos, sin)
+            x = block(x, lengths, cos, sin) if self.run_block is None else self.run_block(block, x, lengths, cos, sin)
         return self.merger(x)
 
     def position_embeddings(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:

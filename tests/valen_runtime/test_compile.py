@@ -616,3 +616,19 @@ def test_runtime_modules_do_not_import_transformers_or_peft():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_question_piece_cache_is_bounded_and_transparent(folder):
+    """Cached question-piece token ids: the same compile as without the cache, at most N entries."""
+    compiler = Compiler.from_dir(folder)
+    req = request()
+    first = compiler.compile(req)
+    assert compiler._piece_ids  # pieces were cached
+    again = compiler.compile(req)
+    assert [b.suffix_ids for q in again.questions for b in q.branches] == [b.suffix_ids for q in first.questions for b in q.branches]
+    small = Compiler.from_dir(folder)
+    small.piece_cache_size = 3
+    assert [b.suffix_ids for q in small.compile(req).questions for b in q.branches] == [b.suffix_ids for q in first.questions for b in q.branches]
+    assert len(small._piece_ids) == 3
+    uncached = [compiler.tokenizer.encode(text) for text in ("Decision:", "\n")]
+    assert [small._encode_piece(text) for text in ("Decision:", "\n")] == uncached

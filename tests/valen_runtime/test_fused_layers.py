@@ -120,3 +120,31 @@ def test_compiled_layers_match_module_path_cpu(tiny_export):
     for batch, length, seed in ((1, 64, 6), (3, 21, 7)):
         embeds, pos = inputs(reference, batch, length, 0, seed=seed)
         close(fused(embeds, pos), reference(embeds, pos), "fp32")
+
+
+@pytest.mark.parametrize("sizes", [[768, 256, 8, 8], [512, 512], [300], [16, 8]])
+def test_grouped_lora_projection_equals_separate_lora_linears(sizes):
+    """fused_layers.project: wide members cut into equal row blocks for one batched B GEMM, narrow
+    trailing members block-diagonal; each output must equal its own PEFT-style LoRALinear."""
+    from valen_runtime.fast import FusedProjection
+    from valen_runtime.fused_layers import project, projection
+    from valen_runtime.qwen35 import LoRALinear, attach_lora
+
+    gen = torch.Generator().manual_seed(len(sizes))
+    parent = torch.nn.Module()
+    names = [f"m{i}" for i in range(len(sizes))]
+    for name, n in zip(names, sizes):
+        setattr(parent, name, LoRALinear(32, n))
+        getattr(parent, name).weight.data = torch.randn(n, 32, generator=gen)
+    adapter = {}
+    for name, n in zip(names, sizes):
+        adapter[f"{name}.lora_A.weight"] = torch.randn(4, 32, generator=gen)
+        adapter[f"{name}.lora_B.weight"] = torch.randn(n, 4, generator=gen)
+    attach_lora(parent, adapter, 2.0)
+    members = [getattr(parent, name) for name in names]
+    x = torch.randn(3, 5, 32, generator=gen)
+    want = torch.cat([m(x) for m in members], dim=-1)
+    p = projection(members, FusedProjection(members) if len(members) > 1 else None)
+    if sizes == [768, 256, 8, 8]:
+        assert p.groups == (0, 0, 0, 1) and p.lora_b.shape == (4, 256, 4) and p.lora_b_small.shape == (16, 8)
+    torch.testing.assert_close(project(x, p), want, rtol=1e-5, atol=1e-5)  # fp32: scale folding only

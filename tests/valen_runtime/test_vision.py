@@ -117,3 +117,20 @@ def test_encode_on_grid_tables_equals_forward():
     pixels = torch.randn(n, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(2))
     grids = grid_list(grid)
     assert torch.equal(vm.encode(pixels, *vm.grid_tables(grids), frame_lengths(grids)), vm(pixels, grid))
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_compiled_vision_blocks_match_the_modules_cpu():
+    """fast.compiled_vision_block: one torch.compile'd function for all blocks, fp32 (inductor's
+    fused kernels reorder a few fp32 sums)."""
+    from valen_runtime.fast import compiled_vision_block
+
+    _, vm = build_pair(torch.float32)
+    for grid in (GRIDS["one square image"], GRIDS["non-square, larger than the table"]):
+        grid = torch.tensor(grid)
+        pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(5))
+        vm.run_block = None
+        want = vm(pixels, grid)
+        vm.run_block = compiled_vision_block()
+        torch.testing.assert_close(vm(pixels, grid), want, rtol=1e-4, atol=1e-5)
