@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from valen_runtime.answers import answer, answer_from_probabilities, load_temperature, probabilities, response
+from valen_runtime.answers import answer, answer_from_probabilities, batch_probabilities, load_temperature, probabilities, response
 from valen_runtime.errors import ConfigError
 
 
@@ -178,3 +178,16 @@ def test_load_temperature_rejects_non_finite_and_missing_files(tmp_path):
         load_temperature(path)
     with pytest.raises(ConfigError, match="cannot read"):
         load_temperature(tmp_path / "missing.json")
+
+
+def test_batch_probabilities_equal_per_question_probabilities():
+    gen = torch.Generator().manual_seed(9)
+    logits = [torch.randn(n, generator=gen) * 3 for n in (2, 5, 1, 4)]
+    probs, host = batch_probabilities(logits, [2, 5, 1, 4], temperature=0.7)
+    assert probs == [probabilities(lg, len(lg), 0.7) for lg in logits]  # bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(host, logits))
+    with pytest.raises(ValueError, match="finite"):
+        batch_probabilities([torch.tensor([0.0, float("nan")])], [2])
+    with pytest.raises(ValueError, match="one logit per candidate"):
+        batch_probabilities([torch.zeros(3)], [2])
+    assert batch_probabilities([], []) == ([], [])
