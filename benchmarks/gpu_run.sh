@@ -36,13 +36,23 @@ fi
 
 if [[ " $STEPS " == *" parity "* ]]; then
   FX="$WORK/fixture-2b"
-  if [ ! -d "$WORK/export-2b-merged" ]; then
-    python3 -c "from valen_export.export import export; from pathlib import Path; f=Path('$FX'); export(f/'checkpoint', f/'base', Path('$WORK/export-2b-merged'), lora_mode='merged', pins_path=f/'pins.json', progress=False)"
-  fi
+  # The 2b fixture and both exports (latency.py builds them too); each only when missing.
+  python3 - "$WORK" <<'PY'
+import sys
+from pathlib import Path
+from valen_export.export import export
+from valen_export.fixture import build_fixture
+work = Path(sys.argv[1]); fx = work / "fixture-2b"
+if not (fx / "pins.json").exists():
+    build_fixture(fx, preset="2b", seed=0)
+for mode in ("separate", "merged"):
+    if not (work / f"export-2b-{mode}" / "valen_export.json").exists():
+        export(fx / "checkpoint", fx / "base", work / f"export-2b-{mode}", lora_mode=mode, pins_path=fx / "pins.json", progress=False)
+PY
   for spec in ${PARITY_SPECS:-"separate:bf16:per-branch" "separate:bf16:shared-prefix" "merged:bf16:per-branch" "separate:fp32:per-branch"}; do
     set -- ${spec//:/ }
     [ "$(left)" -gt 40 ] || { echo "parity $spec: skipped (time)"; continue; }
-    timeout $(cap 120) python3 -m parity.cli --export "$WORK/export-2b-$1" --checkpoint "$FX/checkpoint" --base "$FX/base" --pins "$FX/pins.json" \
+    timeout $(cap ${PARITY_TIMEOUT:-150}) python3 -m parity.cli --export "$WORK/export-2b-$1" --checkpoint "$FX/checkpoint" --base "$FX/base" --pins "$FX/pins.json" \
       --case all --device cuda --dtype "$2" --mode "$3" --report "$OUT/parity-$1-$2-$3.json" > "$OUT/parity-$1-$2-$3.log" 2>&1
     echo "parity $spec: exit $?"; tail -4 "$OUT/parity-$1-$2-$3.log"
   done
