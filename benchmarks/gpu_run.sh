@@ -52,13 +52,14 @@ PY
   for spec in ${PARITY_SPECS:-"separate:bf16:per-branch" "separate:bf16:shared-prefix" "merged:bf16:per-branch" "separate:fp32:per-branch"}; do
     set -- ${spec//:/ }
     [ "$(left)" -gt 40 ] || { echo "parity $spec: skipped (time)"; continue; }
-    timeout $(cap ${PARITY_TIMEOUT:-150}) python3 -m parity.cli --export "$WORK/export-2b-$1" --checkpoint "$FX/checkpoint" --base "$FX/base" --pins "$FX/pins.json" \
+    # ~70 s of a fresh process go to torch.compile and FLA autotuning before the first case.
+    timeout $(cap ${PARITY_TIMEOUT:-300}) python3 -m parity.cli --export "$WORK/export-2b-$1" --checkpoint "$FX/checkpoint" --base "$FX/base" --pins "$FX/pins.json" \
       --case all --device cuda --dtype "$2" --mode "$3" --report "$OUT/parity-$1-$2-$3.json" > "$OUT/parity-$1-$2-$3.log" 2>&1
     echo "parity $spec: exit $?"; tail -4 "$OUT/parity-$1-$2-$3.log"
   done
 fi
 if [[ " $STEPS " == *" tests "* ]]; then
-  timeout $(cap 150) python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/test_fast.py > "$OUT/gpu-tests.log" 2>&1
+  timeout $(cap ${TESTS_TIMEOUT:-300}) python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/test_fast.py > "$OUT/gpu-tests.log" 2>&1
   tail -3 "$OUT/gpu-tests.log"
 fi
 

@@ -3,10 +3,11 @@
 Builds the tiny synthetic fixture under OUTDIR (removing any previous OUTDIR), exports it in both
 LoRA modes, and runs the `valen-parity` comparison (`parity.cli.run`, the code behind the
 command) with every built-in case on the CPU for fp32 and bf16, per-branch and shared-prefix:
-8 combinations. The reference is built once per dtype (its results are shared through a reference
+8 combinations, plus the 4 shared-prefix ones again with the fast path's kernels (fused layers,
+eager on the CPU). The reference is built once per dtype (its results are shared through a reference
 cache; the reference does not depend on the export or the runtime's execution mode). Reports go
 to OUTDIR/reports/<lora>-<dtype>-<mode>.json, a summary to OUTDIR/summary.json. Exit 0 only when
-all 8 pass; 1 on any parity failure; 2 on a usage error. `--device cuda` runs the same
+all pass; 1 on any parity failure; 2 on a usage error. `--device cuda` runs the same
 combinations on a GPU (both sides) against the CUDA tolerance entries.
 """
 
@@ -20,6 +21,9 @@ import time
 from pathlib import Path
 
 COMBOS = [(dtype, lora, mode) for dtype in ("fp32", "bf16") for lora in ("separate", "merged") for mode in ("per-branch", "shared-prefix")]
+# Shared-prefix again with the fast path's kernels (its fused layer functions run eagerly on the
+# CPU; on CUDA the engine's own choice already is the fast path), judged by the same entries.
+FAST_COMBOS = [(dtype, lora, "shared-prefix") for dtype in ("fp32", "bf16") for lora in ("separate", "merged")]
 
 
 def main(argv=None) -> int:
@@ -53,22 +57,26 @@ def main(argv=None) -> int:
     summary = {}
     failed = []
     (out / "reports").mkdir()
-    for dtype, lora, mode in COMBOS:
+    combos = [(*c, args.kernels) for c in COMBOS]
+    if args.device == "cpu" and args.kernels is None:
+        combos += [(*c, "fast") for c in FAST_COMBOS]
+    for dtype, lora, mode, kernels in combos:
         t1 = time.perf_counter()
         try:
             report = run(
                 exports[lora], fx.checkpoint, fx.base, args.case, None, args.device, dtype, mode, fx.pins, None,
                 args.tolerances or tolerances.DEFAULT_PATH, args.threads, out / "reference-cache",
-                kernels=args.kernels, graphs=False if args.no_cuda_graphs else None,
+                kernels=kernels, graphs=False if args.no_cuda_graphs else None,
             )
         except harness.UsageProblem as e:
             print(f"error: {lora}/{dtype}/{mode}: {e}", file=sys.stderr)
             return 2
-        name = f"{lora}-{dtype}-{mode}"
+        name = f"{lora}-{dtype}-{mode}" + (f"-{kernels}" if kernels else "")
         (out / "reports" / f"{name}.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         table = harness.table(report)
         if report["verdict"] == "pass":
-            print(table.splitlines()[-1] + f"  [{time.perf_counter() - t1:.1f} s]", flush=True)
+            label = f"[{kernels} kernels] " if kernels else ""
+            print(label + table.splitlines()[-1] + f"  [{time.perf_counter() - t1:.1f} s]", flush=True)
         else:
             failed.append(name)
             print(table, flush=True)
@@ -78,7 +86,7 @@ def main(argv=None) -> int:
     if failed:
         print(f"parity gate FAILED: {', '.join(failed)} ({total:.1f} s); reports in {out / 'reports'}", file=sys.stderr)
         return 1
-    print(f"parity gate passed: {len(COMBOS)} combinations, every built-in case ({total:.1f} s)")
+    print(f"parity gate passed: {len(combos)} combinations, every built-in case ({total:.1f} s)")
     return 0
 
 

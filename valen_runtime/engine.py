@@ -68,6 +68,7 @@ class Engine:
         kernels: str = "torch",
         graphs: bool = False,
         align_prefix: bool = True,
+        compile: bool | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -85,7 +86,10 @@ class Engine:
         if kernels == "fast":
             from .fast import enable_fast_paths
 
-            self.kernels = enable_fast_paths(model.text, model.vision, dtype=model.dtype, compile=model.device.type == "cuda")
+            # torch.compile pays off for a long-lived engine on CUDA (the first request of a fresh
+            # process compiles for about a minute); on the CPU the fused functions run eagerly.
+            compile = model.device.type == "cuda" if compile is None else compile
+            self.kernels = enable_fast_paths(model.text, model.vision, dtype=model.dtype, compile=compile)
         self.graphs = None
         self._grid_tables: dict = {}  # image grids -> vision position / rotary tables (graphed path)
         if graphs:
@@ -104,12 +108,15 @@ class Engine:
         temperature: float = 1.0,
         kernels: str | None = None,
         graphs: bool | None = None,
+        compile: bool | None = None,
     ) -> "Engine":
         """Load an export.
 
-        Defaults: on CUDA, shared-prefix mode with the fast kernels (flash-linear-attention when
-        importable, SDPA) and CUDA graphs; on the CPU, per-branch mode with the pure-PyTorch path.
-        Per-branch mode always runs the reference-faithful PyTorch path unless kernels="fast".
+        Defaults: on CUDA, shared-prefix mode with the fast path (fused layers compiled by
+        torch.compile, flash-linear-attention when importable, SDPA) and CUDA graphs; on the CPU,
+        per-branch mode with the pure-PyTorch path. Per-branch mode always runs the
+        reference-faithful PyTorch path unless kernels="fast". compile=False keeps the fast path
+        eager (no minute-long first request; slower after it).
         """
         model = load_model(export_dir, device=device, dtype=dtype, verify=verify)
         prompt = model.manifest.data["prompt"]
@@ -121,7 +128,7 @@ class Engine:
             kernels = "fast" if cuda and mode == "shared-prefix" else "torch"
         if graphs is None:
             graphs = cuda and mode == "shared-prefix"
-        return cls(model, compiler, mode=mode, temperature=temperature, kernels=kernels, graphs=graphs)
+        return cls(model, compiler, mode=mode, temperature=temperature, kernels=kernels, graphs=graphs, compile=compile)
 
     # ---- pieces -------------------------------------------------------------------------
 

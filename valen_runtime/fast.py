@@ -178,13 +178,14 @@ def compiled_vision_block() -> Callable:
 
 
 def enable_fast_paths(
-    text_model, vision_model=None, dtype: torch.dtype = torch.bfloat16, compile: bool = True, fuse_layers: bool | None = None
+    text_model, vision_model=None, dtype: torch.dtype = torch.bfloat16, compile: bool = True, fuse_layers: bool = True
 ) -> dict:
     """Swap the CUDA kernels in at the model's seams; returns what was enabled (for reports).
 
-    fuse_layers (default: with compile) routes every decoder layer through fused_layers' whole-layer
-    functions, compiled when compile=True. FLA's Triton products run in TF32 for fp32 inputs, so
-    fp32 models keep the PyTorch delta rule.
+    fuse_layers routes every decoder layer through fused_layers' whole-layer functions, compiled
+    (with the norms and the vision blocks) when compile=True; eager they compute the same thing
+    and are what the CPU parity gate checks. FLA's Triton products run in TF32 for fp32 inputs,
+    so fp32 models keep the PyTorch delta rule.
     """
     enabled = {"gated_delta": "torch", "attention": "eager", "projections": "fused", "elementwise": "eager",
                "vision_attention": "eager", "layers": "modules"}
@@ -209,7 +210,7 @@ def enable_fast_paths(
         if vision_model is not None:
             vision_model.run_block = compiled_vision_block()
             enabled["vision_blocks"] = "torch.compile"
-    if compile if fuse_layers is None else fuse_layers:
+    if fuse_layers:
         if use_fla:
             register_delta_rule("fla", fla_chunk_gated_delta_rule)
         enable_fused_layers(text_model, sdpa_attention, "fla" if use_fla else "torch", compile=compile)

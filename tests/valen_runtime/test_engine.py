@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from valen_runtime.cli import main as valen_run
@@ -88,3 +89,22 @@ def test_valen_run_bad_export_is_one_line_exit_2(tmp_path):
     req.write_text(json.dumps(TEXT_REQUEST))
     result = CliRunner().invoke(valen_run, ["--export", str(tmp_path / "missing"), "--device", "cpu", str(req)])
     assert result.exit_code == 2 and "not a directory" in result.output and "Traceback" not in result.output
+
+
+def test_valen_run_refuses_cuda_graphs_on_the_cpu_in_one_line(tiny_export, tmp_path):
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps(TEXT_REQUEST))
+    args = ["--export", str(tiny_export["separate"]), "--device", "cpu", "--mode", "shared-prefix", "--cuda-graphs", str(req)]
+    result = CliRunner().invoke(valen_run, args)
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and "CUDA graphs" in result.output
+
+
+def test_valen_run_shared_prefix_fast_kernels_on_the_cpu(tiny_export, tmp_path):
+    """The fast path's fused layers run eagerly on the CPU (what the CPU parity gate checks)."""
+    from valen_runtime.engine import Engine
+
+    fast = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast")
+    assert fast.kernels["layers"] == "fused, eager"
+    torch_path = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix")
+    for a, b in zip(fast.run(TEXT_REQUEST).logits, torch_path.run(TEXT_REQUEST).logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # fp32: conv / LoRA summation order only
