@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import qwen35
-from .fused_layers import enable_fused_layers, lora_project, register_delta_rule
+from .fused_layers import enable_fused_layers, project, projection, register_delta_rule
 from .gated_delta import l2norm
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,10 @@ def sdpa_attention(q, k, v, mask, scaling):
 class FusedProjection(nn.Module):
     """Several bias-free projections of one input as one GEMM; outputs split back in order.
 
-    The members' weights become row-block views of the fused matrix (no second copy). With FP32
-    LoRA adapters: x.float() @ [A_1; ...; A_n]^T, then one block-diagonal B with each block
-    pre-multiplied by its scale, added to the base result in fp32 and cast once, as PEFT does per
-    projection (only the order of a few fp32 roundings differs).
+    The members' weights become row-block views of the fused matrix (no second copy). Their FP32
+    LoRA adapters, if any, become one A GEMM and one grouped B GEMM (`fused_layers.projection`),
+    added to the base result in fp32 and cast once, as PEFT does per projection (only the order
+    of a few fp32 roundings differs).
     """
 
     def __init__(self, members: list):
@@ -109,15 +109,10 @@ class FusedProjection(nn.Module):
             m.weight = nn.Parameter(weight[row : row + m.out_features], requires_grad=False)
             row += m.out_features
         self.register_buffer("weight", weight, persistent=False)
-        self.lora_A = self.lora_B = None
-        if any(m.lora_A is not None for m in members):
-            if not all(m.lora_A is not None for m in members):
-                raise ValueError("cannot fuse projections where only some carry a LoRA adapter")
-            self.lora_A = torch.cat([m.lora_A.weight.detach() for m in members])  # [n*r, in] fp32
-            self.lora_B = torch.block_diag(*[m.lora_B.weight.detach() * m.lora_scale for m in members])  # [sum(out), n*r]
+        self.projection = projection(members, weight)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return list(lora_project(x, self.weight, self.lora_A, self.lora_B).split(self.splits, dim=-1))
+        return list(project(x, self.projection).split(self.splits, dim=-1))
 
 
 def fuse_projections(text_model) -> None:

@@ -61,14 +61,6 @@ def _(q, k, v, g, beta, initial_state, impl):
 # Shared pieces
 
 
-def lora_project(x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None) -> torch.Tensor:
-    """x @ W^T plus PEFT's unmerged FP32 LoRA (x cast to fp32, B(A(x)) added in fp32, one cast back)."""
-    out = F.linear(x, weight)
-    if lora_a is None:
-        return out
-    return (out + F.linear(F.linear(x.float(), lora_a), lora_b)).to(out.dtype)
-
-
 def project(x: torch.Tensor, p: "Projection") -> torch.Tensor:
     """x @ W^T for projections fused along the output, plus each member's FP32 LoRA.
 
@@ -160,11 +152,12 @@ class AttentionWeights(NamedTuple):
 NARROW = 256  # members with fewer output rows are not worth a block of their own
 
 
-def projection(members: list, fused=None) -> Projection:
-    """Gather one (fused) projection: W from `fused` (a fast.FusedProjection) or the lone member."""
-    weight = fused.weight if fused is not None else members[0].weight
-    if len(members) > 1 and fused is None:
-        raise ValueError("fused layers need the fused projections first (fast.fuse_projections)")
+def projection(members: list, weight: torch.Tensor | None = None) -> Projection:
+    """One projection's tensors: `weight` is the members' fused matrix (a lone member's own if None)."""
+    if weight is None:
+        if len(members) > 1:
+            raise ValueError("several members need their fused weight (fast.FusedProjection)")
+        weight = members[0].weight
     if all(m.lora_A is None for m in members):
         return Projection(weight, None, None, None, ())
     if any(m.lora_A is None for m in members):
@@ -189,16 +182,20 @@ def projection(members: list, fused=None) -> Projection:
 def gather_weights(layer) -> GdnWeights | AttentionWeights:
     """One decoder layer's tensors in the order the layer functions read them (no weight copies)."""
     mlp = layer.mlp
-    mlp_w = MlpWeights(layer.post_attention_layernorm.weight,
-                       projection([mlp.gate_proj, mlp.up_proj], mlp.fused_gate_up), projection([mlp.down_proj]))
+    mlp_w = MlpWeights(layer.post_attention_layernorm.weight, _fused(mlp.fused_gate_up), projection([mlp.down_proj]))
     if layer.layer_type == "linear_attention":
         gdn = layer.linear_attn
-        in_proj = projection([gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a], gdn.fused_in_proj)
-        return GdnWeights(layer.input_layernorm.weight, in_proj, gdn.conv1d.weight, gdn.A_log, gdn.dt_bias,
-                          gdn.norm.weight, projection([gdn.out_proj]), mlp_w)
+        return GdnWeights(layer.input_layernorm.weight, _fused(gdn.fused_in_proj), gdn.conv1d.weight, gdn.A_log,
+                          gdn.dt_bias, gdn.norm.weight, projection([gdn.out_proj]), mlp_w)
     att = layer.self_attn
-    return AttentionWeights(layer.input_layernorm.weight, projection([att.q_proj, att.k_proj, att.v_proj], att.fused_qkv),
-                            att.q_norm.weight, att.k_norm.weight, projection([att.o_proj]), mlp_w)
+    return AttentionWeights(layer.input_layernorm.weight, _fused(att.fused_qkv), att.q_norm.weight,
+                            att.k_norm.weight, projection([att.o_proj]), mlp_w)
+
+
+def _fused(fused) -> Projection:
+    if fused is None:
+        raise ValueError("fused layers need the fused projections first (fast.fuse_projections)")
+    return fused.projection
 
 
 # ---------------------------------------------------------------------------------------------

@@ -144,7 +144,7 @@ def test_grouped_lora_projection_equals_separate_lora_linears(sizes):
     members = [getattr(parent, name) for name in names]
     x = torch.randn(3, 5, 32, generator=gen)
     want = torch.cat([m(x) for m in members], dim=-1)
-    p = projection(members, FusedProjection(members) if len(members) > 1 else None)
+    p = FusedProjection(members).projection if len(members) > 1 else projection(members)
     if sizes == [768, 256, 8, 8]:
         assert p.groups == (0, 0, 0, 1) and p.lora_b.shape == (4, 256, 4) and p.lora_b_small.shape == (16, 8)
     torch.testing.assert_close(project(x, p), want, rtol=1e-5, atol=1e-5)  # fp32: scale folding only
