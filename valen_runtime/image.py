@@ -213,8 +213,9 @@ def decode_image(data: bytes, mime_format: str | None, field_name: str, limits: 
         raise RequestError(field_name, "animated images are not supported; send a single frame")
     try:
         image.load()
-        image = ImageOps.exif_transpose(image)
-        image = image.convert("RGB")
+        ImageOps.exif_transpose(image, in_place=True)  # no full copy when there is nothing to turn
+        if image.mode != "RGB":
+            image = image.convert("RGB")
     except Exception as exc:
         raise RequestError(field_name, f"image data is corrupt or truncated ({type(exc).__name__})") from exc
     return image
