@@ -8,6 +8,8 @@ rounding. Tolerances at each assert.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -114,6 +116,7 @@ def test_delta_rule_op_equals_the_torch_rule_it_wraps():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
 def test_compiled_layers_match_module_path_cpu(tiny_export):
     """torch.compile (inductor, C++ on the CPU) of the same functions; fp32."""
     reference, fused = pair(tiny_export["separate"], "fp32", compile=True)

@@ -3,6 +3,8 @@
 Same ops in the same order on the same machine, so the expected difference is zero in fp32 and bf16.
 """
 
+import shutil
+
 import pytest
 import torch
 
@@ -120,6 +122,7 @@ def test_encode_on_grid_tables_equals_forward():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
 @torch.no_grad()
 def test_compiled_vision_blocks_match_the_modules_cpu():
     """fast.compiled_vision_block: one torch.compile'd function for all blocks, fp32 (inductor's
