@@ -131,6 +131,9 @@ def main() -> None:
         ("shared-prefix (fast kernels)", dict(mode="shared-prefix", kernels="fast", graphs=False)),
         ("shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True)),
         ("merged LoRA: shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True, merged=True)),
+        # Opt-in: branches packed varlen in one row (no padding rows); not the default until measured.
+        ("shared-prefix (fast + CUDA graphs, packed branches)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True)),
+        ("merged LoRA: shared-prefix (fast + CUDA graphs, packed branches)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True, merged=True)),
     ]
     if args.device != "cuda":
         configs = configs[:2]
@@ -149,14 +152,20 @@ def main() -> None:
     for label, kw in configs:
         kw = dict(kw)
         key = kw["kernels"] + ("-merged" if kw.pop("merged", False) else "")
-        engines[label] = Engine(models[key], compiler, **kw)
+        try:
+            engines[label] = Engine(models[key], compiler, **kw)
+        except ValueError as e:  # e.g. packing without FLA: recorded per request below
+            print(f"{label}: not available: {e}", file=sys.stderr, flush=True)
     for name, req in reqs.items():
         row = {"modes": {}}
         if name in ref:
             row["modes"]["reference (transformers 5.4.0, eager, per branch)"] = stats(ref[name]["times_s"])
         compiled = engines[configs[0][0]].compiler.compile(req)
         for label, kw in configs:
-            engine = engines[label]
+            engine = engines.get(label)
+            if engine is None:
+                row["modes"][label] = {"error": "configuration not available on this machine"}
+                continue
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             try:

@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--tables", type=Path, default=None, help="write profiler tables here")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--requests", default="a_image448_7branch,b_text48_choice2,d_image1024_choice4,c_text2000_8q")
-    ap.add_argument("--configs", default="fast+graphs,fast+graphs merged")
+    ap.add_argument("--configs", default="fast+graphs,fast+graphs merged,fast+graphs packed,fast+graphs merged packed")
     args = ap.parse_args()
 
     from valen_export.export import export
@@ -121,12 +121,13 @@ def main() -> None:
     reqs = benchmark_requests()
     report = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "results": {}}
     for config in args.configs.split(","):
-        merged = config.endswith(" merged")
+        merged = " merged" in config
         graphs = config.startswith("fast+graphs")
+        pack = " packed" in config
         model = load_model(exports["merged" if merged else "separate"], device="cuda", dtype="bf16")
         prompt = model.manifest.data["prompt"]
         compiler = Compiler.from_dir(model.manifest.root, max_length=prompt["max_length"], media_kwargs=prompt.get("media_kwargs") or {})
-        engine = Engine(model, compiler, mode="shared-prefix", kernels="fast", graphs=graphs)
+        engine = Engine(model, compiler, mode="shared-prefix", kernels="fast", graphs=graphs, pack=pack)
         for name in args.requests.split(","):
             req = reqs[name]
             t = time.perf_counter()

@@ -13,6 +13,7 @@ The engine knows nothing about JSON validation or tokenization: compile.py does 
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from .answers import answer_from_probabilities, batch_probabilities, response
 from .compile import CompiledRequest, Compiler
 from .positions import rope_index
+from .qwen35 import Packing
 from .vision import frame_lengths, grid_list
 from .weights import LoadedModel, load_model
 
@@ -43,8 +45,9 @@ class _Plan:
 
     parts: list[torch.Tensor]  # int64: state ids [1, P], prefix positions [3, 1, cut], suffix ids [N, L - tail],
     # row positions [3, N, L], image token indices [n_img], head rows [C + N + C]
-    sizes: tuple[int, ...]  # (P, cut, N, L, C, n_img)
+    sizes: tuple  # (P, cut, N, L, C, n_img); packed: (P, cut, T, C, n_img, sequence lengths)
     candidates_per_branch: list[int]
+    packed: bool = False
 
     def upload(self, device: torch.device) -> list[torch.Tensor]:
         """One copy (pinned, asynchronous on CUDA) of all parts, returned as views in order."""
@@ -69,6 +72,7 @@ class Engine:
         graphs: bool = False,
         align_prefix: bool = True,
         compile: bool | None = None,
+        pack: bool = False,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -90,6 +94,14 @@ class Engine:
             # process compiles for about a minute); on the CPU the fused functions run eagerly.
             compile = model.device.type == "cuda" if compile is None else compile
             self.kernels = enable_fast_paths(model.text, model.vision, dtype=model.dtype, compile=compile)
+        # pack: the branches as varlen sequences in one row instead of a right-padded batch (no
+        # padding rows; needs the fused layers; on CUDA with graphs, FLA's varlen kernel).
+        self.pack = pack
+        if pack:
+            if mode != "shared-prefix" or self.kernels.get("layers", "modules") == "modules":
+                raise ValueError("pack=True needs mode='shared-prefix' and kernels='fast' (the fused layers)")
+            if graphs and not str(self.kernels.get("gated_delta")).startswith("fla"):
+                raise ValueError("pack=True with CUDA graphs needs flash-linear-attention's varlen kernel (bf16)")
         self.graphs = None
         self._grid_tables: dict = {}  # image grids -> vision position / rotary tables (graphed path)
         if graphs:
@@ -109,6 +121,7 @@ class Engine:
         kernels: str | None = None,
         graphs: bool | None = None,
         compile: bool | None = None,
+        pack: bool = False,
     ) -> "Engine":
         """Load an export.
 
@@ -128,7 +141,7 @@ class Engine:
             kernels = "fast" if cuda and mode == "shared-prefix" else "torch"
         if graphs is None:
             graphs = cuda and mode == "shared-prefix"
-        return cls(model, compiler, mode=mode, temperature=temperature, kernels=kernels, graphs=graphs, compile=compile)
+        return cls(model, compiler, mode=mode, temperature=temperature, kernels=kernels, graphs=graphs, compile=compile, pack=pack)
 
     # ---- pieces -------------------------------------------------------------------------
 
@@ -199,11 +212,13 @@ class Engine:
         inputs = plan.upload(m.device)  # one host-to-device copy of every index the request needs
         if features is not None:
             inputs.append(features)
-        forward = functools.partial(self._planned_logits, plan.sizes)
+        planned = self._packed_logits if plan.packed else self._planned_logits
+        forward = functools.partial(planned, plan.sizes)
         if self.graphs is None:
             (logits,) = forward(*inputs)
         else:
-            (logits,) = self.graphs.run(("request", *plan.sizes), forward, inputs)
+            key = ("packed" if plan.packed else "request", *plan.sizes)
+            (logits,) = self.graphs.run(key, forward, inputs)
         per_branch = list(logits.split(plan.candidates_per_branch))  # [K_b] per branch
         out, k = [], 0
         for q in compiled.questions:
@@ -222,6 +237,8 @@ class Engine:
         cut = (P // CHUNK) * CHUNK if self.align_prefix else P
         branches = [br for q in compiled.questions for br in q.branches]
         N, tail = len(branches), P - cut
+        if self.pack:
+            return self._plan_packed(compiled, branches, positions, next_pos, cut)
         # Right padding is exact for the real tokens: every layer is causal, so a pad token never
         # influences an earlier position. Lengths round up to a multiple of 8 so graphs are reused.
         L = -(-(tail + max(len(br.suffix_ids) for br in branches)) // 8) * 8
@@ -255,6 +272,70 @@ class Engine:
         else:
             hidden = self._suffix_hidden(rows, rows_pos, *self._prefix_state(embeds[:, :cut], prefix_pos))
         flat = hidden.reshape(N * L, -1)
+        head = m.head
+        c = head.candidate(flat[head_index[:C]].float())  # [C, P]
+        d = head.decision(flat[head_index[C : C + N]].float())  # [N, P]
+        return ((c * d[head_index[C + N :]]).sum(-1) / head.scale,)  # [C]
+
+    def _plan_packed(self, compiled: CompiledRequest, branches, positions: torch.Tensor, next_pos: int, cut: int) -> "_Plan":
+        """Branches as sequences [state tail | suffix] packed back to back in one row of T tokens
+        (T rounded up to 8 with one extra pad sequence), each continuing the prefix state."""
+        st = compiled.state
+        P = len(st.input_ids)
+        tail = P - cut
+        K = self.model.config.text_config.linear_conv_kernel_dim
+        lengths = [tail + len(br.suffix_ids) for br in branches]
+        T = -(-sum(lengths) // 8) * 8
+        pad = T - sum(lengths)
+        pad_id = branches[0].suffix_ids[-1]
+        suffix_ids = [t for br in branches for t in br.suffix_ids] + [pad_id] * pad  # [S]
+        seq_lengths = lengths + ([pad] if pad else [])
+        # Row t takes its embedding from [state rows (P) | suffix tokens (S)].
+        source, pos_parts, starts, s_offset = [], [], [], P
+        for br in branches:
+            starts.append(len(source))
+            source += list(range(cut, P)) + list(range(s_offset, s_offset + len(br.suffix_ids)))
+            s_offset += len(br.suffix_ids)
+            pos_parts += [positions[:, cut:], torch.arange(next_pos, next_pos + len(br.suffix_ids)).view(1, -1).expand(3, -1)]
+        source += list(range(s_offset, s_offset + pad))
+        pos_parts.append(torch.arange(next_pos, next_pos + pad).view(1, -1).expand(3, -1))
+        rows_pos = torch.cat(pos_parts, dim=1)[:, None, :]  # [3, 1, T]
+        seq_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(seq_lengths)])
+        offsets = torch.cat([torch.arange(n) for n in seq_lengths])
+        # Conv tap j of token t reads t + j in [prefix conv tail (K-1) | row], or, before its
+        # sequence starts, the shared prefix tail at offset + j.
+        rows = torch.arange(T)
+        taps = torch.stack([torch.where(offsets + j >= K - 1, rows + j, offsets + j) for j in range(K)])  # [K, T]
+        cu_seqlens = torch.tensor([0] + list(itertools.accumulate(seq_lengths)))
+        chunk_indices = torch.tensor([[i, c] for i, n in enumerate(seq_lengths) for c in range(-(-n // CHUNK))]).view(-1, 2)
+        image_index = torch.tensor([i for i, t in enumerate(st.mm_token_type_ids) if t == 1], dtype=torch.int64)
+        cand_rows, cand_branch, dec_rows = [], [], []
+        for k, (br, start) in enumerate(zip(branches, starts)):
+            cand_rows += [start + p - cut for p in br.candidate_positions]
+            cand_branch += [k] * len(br.candidate_positions)
+            dec_rows.append(start + br.decision_position - cut)
+        head_index = torch.tensor(cand_rows + dec_rows + cand_branch, dtype=torch.int64)
+        parts = [torch.tensor([st.input_ids]), positions[:, None, :cut], torch.tensor(suffix_ids, dtype=torch.int64),
+                 torch.tensor(source), rows_pos, image_index, head_index, seq_ids, offsets, taps, cu_seqlens, chunk_indices]
+        # Every sequence length is part of the key: the varlen kernels' launch grids depend on them.
+        sizes = (P, cut, T, len(cand_rows), len(image_index), len(branches), tuple(seq_lengths))
+        return _Plan(parts, sizes, [len(br.candidate_positions) for br in branches], packed=True)
+
+    def _packed_logits(self, sizes, state_ids, prefix_pos, suffix_ids, source, rows_pos, image_index, head_index,
+                       seq_ids, offsets, taps, cu_seqlens, chunk_indices, features=None):
+        """`_planned_logits` for packed branches: one row of T tokens, no padding rows."""
+        m = self.model
+        P, cut, T, C, _, N, _ = sizes
+        embeds = m.text.embed(state_ids)  # [1, P, H]
+        if features is not None:
+            embeds = embeds.index_copy(1, image_index, features[None].to(embeds.dtype))
+        rows = torch.cat([embeds[0], m.text.embed(suffix_ids)])[source][None]  # [1, T, H]
+        packing = Packing(seq_ids, offsets, taps, cu_seqlens, chunk_indices)
+        cache = None
+        if cut > 0:
+            cache = m.text.new_cache()
+            m.text(embeds[:, :cut], prefix_pos, cache=cache)
+        flat = m.text(rows, rows_pos, cache=cache, packing=packing)[0]  # [T, H]
         head = m.head
         c = head.candidate(flat[head_index[:C]].float())  # [C, P]
         d = head.decision(flat[head_index[C : C + N]].float())  # [N, P]

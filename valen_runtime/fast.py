@@ -80,6 +80,23 @@ def fla_chunk_gated_delta_rule(
     return o.to(v.dtype), (final.float() if output_final_state else None)
 
 
+def fla_varlen_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices):
+    """Packed sequences through FLA's varlen kernel; shapes as `fused_layers.gated_delta_rule_varlen_op`.
+
+    Capturable: `chunk_indices` comes from the host (FLA would otherwise build it with a host
+    sync), and `cu_seqlens` is passed as a fresh view so FLA's identity-keyed memo of derived
+    tensors recomputes them inside the graph instead of reusing a tensor it may later drop.
+    """
+    if not fla_available():
+        raise RuntimeError("flash-linear-attention is not importable on this machine")
+    o, _ = _FLA(
+        q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous(),
+        scale=q.shape[-1] ** -0.5, initial_state=initial_state.float().contiguous(), output_final_state=False,
+        use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens.view(-1), chunk_indices=chunk_indices,
+    )
+    return o.to(v.dtype)
+
+
 def sdpa_vision_attention(q, k, v, scaling):
     """Vision (one image, unmasked): q, k, v [1, Hh, n, D] -> [1, n, Hh, D]."""
     return F.scaled_dot_product_attention(q, k, v, scale=scaling).transpose(1, 2).contiguous()
@@ -207,7 +224,7 @@ def enable_fast_paths(
             enabled["vision_blocks"] = "torch.compile"
     if fuse_layers:
         if use_fla:
-            register_delta_rule("fla", fla_chunk_gated_delta_rule)
+            register_delta_rule("fla", fla_chunk_gated_delta_rule, varlen=fla_varlen_gated_delta_rule)
         enable_fused_layers(text_model, sdpa_attention, "fla" if use_fla else "torch", compile=compile)
         enabled["layers"] = "fused, torch.compile" if compile else "fused, eager"
     return enabled

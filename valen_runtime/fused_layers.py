@@ -34,12 +34,30 @@ from .qwen35 import apply_rotary, decay_and_beta, rms_norm, rms_norm_gated
 # ---------------------------------------------------------------------------------------------
 # The delta rule as one custom op (opaque to the compiler)
 
+def torch_varlen_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices):
+    """Packed sequences one after the other through the chunked PyTorch rule (reads cu_seqlens on
+    the host, so it cannot be captured in a CUDA graph). Shapes as `gated_delta_rule_varlen_op`."""
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        out, _ = chunk_gated_delta_rule(
+            q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end],
+            initial_state=initial_state[n : n + 1], output_final_state=False, use_qk_l2norm_in_kernel=False,
+        )
+        outs.append(out)
+    return torch.cat(outs, dim=1)
+
+
 _DELTA_RULES: dict[str, Callable] = {"torch": chunk_gated_delta_rule}
+_VARLEN_DELTA_RULES: dict[str, Callable] = {"torch": torch_varlen_delta_rule}
 
 
-def register_delta_rule(name: str, fn: Callable) -> None:
-    """Make `fn` (gated_delta.chunk_gated_delta_rule's signature) selectable as impl=`name`."""
+def register_delta_rule(name: str, fn: Callable, varlen: Callable | None = None) -> None:
+    """Make `fn` (gated_delta.chunk_gated_delta_rule's signature) selectable as impl=`name`, and
+    `varlen` (torch_varlen_delta_rule's) for packed sequences."""
     _DELTA_RULES[name] = fn
+    if varlen is not None:
+        _VARLEN_DELTA_RULES[name] = varlen
 
 
 @torch.library.custom_op("valen::gated_delta_rule", mutates_args=())
@@ -57,6 +75,21 @@ def gated_delta_rule_op(
 @gated_delta_rule_op.register_fake
 def _(q, k, v, g, beta, initial_state, impl):
     return v.new_empty(v.shape), initial_state.new_empty(initial_state.shape)
+
+
+@torch.library.custom_op("valen::gated_delta_rule_varlen", mutates_args=())
+def gated_delta_rule_varlen_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor, cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, impl: str,
+) -> torch.Tensor:
+    """Packed sequences (batch 1): q, k [1, T, H, Dk] L2-normalised; v [1, T, H, Dv]; g, beta [1, T, H];
+    initial_state [n, H, Dk, Dv] fp32, one per sequence; cu_seqlens [n + 1]; -> out [1, T, H, Dv]."""
+    return _VARLEN_DELTA_RULES[impl](q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices).contiguous()
+
+
+@gated_delta_rule_varlen_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, impl):
+    return v.new_empty(v.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,6 +140,21 @@ def causal_conv_silu(mixed: torch.Tensor, prev: torch.Tensor, weight: torch.Tens
         acc = acc + full[:, j : j + T].float() * w[:, j]
     out = F.silu(acc.to(mixed.dtype))
     return out, full[:, T:].transpose(1, 2)  # tail [B, C, K-1]
+
+
+def causal_conv_silu_packed(mixed: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """`causal_conv_silu` for packed sequences that all continue the same history.
+
+    mixed [1, T, C], prev [1, C, K-1], weight [C, 1, K], taps [K, T] (indices into
+    [prev | mixed] of each output's K inputs: a token's own sequence, or the shared history
+    before its start) -> out [1, T, C]. Same products and order as the unpacked form.
+    """
+    src = torch.cat([prev.transpose(1, 2).to(mixed.dtype), mixed], dim=1)  # [1, K-1+T, C]
+    w = weight[:, 0, :].float()  # [C, K]
+    acc = src[:, taps[0]].float() * w[:, 0]
+    for j in range(1, weight.shape[-1]):
+        acc = acc + src[:, taps[j]].float() * w[:, j]
+    return F.silu(acc.to(mixed.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,21 +262,37 @@ def make_layer_fns(cfg, attention_core: Callable, delta_impl: str):
     qkv_splits = [Hq * D * 2, Hk * D, Hk * D]
     scaling = D**-0.5
 
-    def gdn_layer(x, conv_prev, state_prev, w: GdnWeights):
-        """x [B, T, H], conv_prev [B, C, K-1], state_prev [B, Hv, Dk, Dv] fp32 -> (x, conv tail, state)."""
+    def gdn_body(x, w: GdnWeights, conv: Callable, rule: Callable):
+        """The GDN layer around its two sequence-mixing steps: conv(mixed) -> (mixed, tail) and
+        rule(q, k, v, g, beta) -> (out, state), which differ between batched and packed rows."""
         B, T, _ = x.shape
         h = rms_norm(x, w.input_norm, eps)
         mixed, z, b, a = project(h, w.in_proj).split(in_splits, dim=-1)
-        mixed, conv_tail = causal_conv_silu(mixed, conv_prev, w.conv)  # [B, T, C]
+        mixed, conv_tail = conv(mixed)  # [B, T, C]
         q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
         q, k = l2norm(q.reshape(B, T, Hkl, Dk)), l2norm(k.reshape(B, T, Hkl, Dk))  # in the activation dtype
         if Hv // Hkl > 1:
             q, k = q.repeat_interleave(Hv // Hkl, dim=2), k.repeat_interleave(Hv // Hkl, dim=2)
         g, beta = decay_and_beta(a, b, w.A_log, w.dt_bias)  # [B, T, Hv]
-        core, state = gated_delta_rule_op(q, k, v.reshape(B, T, Hv, Dv), g, beta, state_prev, delta_impl)
+        core, state = rule(q, k, v.reshape(B, T, Hv, Dv), g, beta)
         out = rms_norm_gated(core.reshape(-1, Dv), z.reshape(-1, Dv), w.gated_norm, eps).reshape(B, T, -1)
         x = x + project(out, w.out_proj)
         return mlp_residual(x, eps, w.mlp), conv_tail, state
+
+    def gdn_layer(x, conv_prev, state_prev, w: GdnWeights):
+        """x [B, T, H], conv_prev [B, C, K-1], state_prev [B, Hv, Dk, Dv] fp32 -> (x, conv tail, state)."""
+        return gdn_body(
+            x, w, lambda mixed: causal_conv_silu(mixed, conv_prev, w.conv),
+            lambda q, k, v, g, beta: gated_delta_rule_op(q, k, v, g, beta, state_prev, delta_impl),
+        )
+
+    def gdn_layer_packed(x, conv_prev, initial, taps, cu_seqlens, chunk_indices, w: GdnWeights):
+        """Packed rows: x [1, T, H], conv_prev [1, C, K-1], initial [n, Hv, Dk, Dv] fp32 -> x."""
+        out, _, _ = gdn_body(
+            x, w, lambda mixed: (causal_conv_silu_packed(mixed, conv_prev, w.conv, taps), None),
+            lambda q, k, v, g, beta: (gated_delta_rule_varlen_op(q, k, v, g, beta, initial, cu_seqlens, chunk_indices, delta_impl), None),
+        )
+        return out
 
     def attention_layer(x, cos, sin, mask, k_prev, v_prev, w: AttentionWeights):
         """x [B, T, H], cos / sin [B, T, R], k_prev / v_prev [B, Hk, S-T, D] or None -> (x, keys, values)."""
@@ -247,7 +311,7 @@ def make_layer_fns(cfg, attention_core: Callable, delta_impl: str):
         x = x + project(out, w.o_proj)
         return mlp_residual(x, eps, w.mlp), k, v
 
-    return gdn_layer, attention_layer
+    return gdn_layer, attention_layer, gdn_layer_packed
 
 
 def _dynamic(t: torch.Tensor, *dims: int) -> None:
@@ -259,11 +323,12 @@ class FusedLayer:
     """Stands in for a DecoderLayer's forward (the `fused_forward` seam): moves the cache entries in
     and out of the layer function, which sees tensors only."""
 
-    def __init__(self, layer, fn: Callable, zeros: dict | None = None):
+    def __init__(self, layer, fn: Callable, zeros: dict | None = None, packed_fn: Callable | None = None):
         self.layer_idx = layer.linear_attn.layer_idx if layer.layer_type == "linear_attention" else layer.self_attn.layer_idx
         self.kind = layer.layer_type
         self.weights = gather_weights(layer)
         self.fn = fn
+        self.packed_fn = packed_fn
         self.zeros = zeros if zeros is not None else {}
         if self.kind == "linear_attention":
             gdn = layer.linear_attn
@@ -278,7 +343,7 @@ class FusedLayer:
                                torch.zeros(batch, *self.state_shape, dtype=torch.float32, device=x.device))
         return self.zeros[key]
 
-    def __call__(self, x, cos, sin, mask, cache=None):
+    def __call__(self, x, cos, sin, mask, cache=None, packing=None):
         i = self.layer_idx
         # Batch and lengths vary per request: compile those dims symbolic from the start (all other
         # sizes stay static, so one compile per layer kind and cache shape serves every request).
@@ -289,6 +354,15 @@ class FusedLayer:
             state = cache.recurrent_states[i] if cache is not None else None
             if prev is None:  # a fresh sequence: zero history, as the padded conv and a zero state
                 prev, state = self._zero_history(B, x)
+            if packing is not None:  # every packed sequence starts from the same (batch-1) history
+                if self.packed_fn is None:
+                    raise ValueError("this fused layer has no packed form")
+                initial = state.expand(packing.cu_seqlens.shape[0] - 1, *state.shape[1:]).contiguous()
+                _dynamic(initial, 0)
+                _dynamic(packing.conv_taps, 1)
+                _dynamic(packing.cu_seqlens, 0)
+                _dynamic(packing.chunk_indices, 0)
+                return self.packed_fn(x, prev, initial, packing.conv_taps, packing.cu_seqlens, packing.chunk_indices, self.weights)
             _dynamic(prev, 0)
             _dynamic(state, 0)
             x, tail, state = self.fn(x, prev, state, self.weights)
@@ -311,7 +385,7 @@ class FusedLayer:
 
 def enable_fused_layers(text_model, attention_core: Callable, delta_impl: str, compile: bool = True) -> None:
     """Route every decoder layer through the (compiled) layer functions."""
-    gdn_layer, attention_layer = make_layer_fns(text_model.config, attention_core, delta_impl)
+    gdn_layer, attention_layer, gdn_layer_packed = make_layer_fns(text_model.config, attention_core, delta_impl)
     if compile:
         # Each (batch 1 / batch N, with / without cached keys, LoRA / merged) combination is one
         # compiled variant per function; the default limit of 8 would silently fall back to eager.
@@ -320,7 +394,10 @@ def enable_fused_layers(text_model, attention_core: Callable, delta_impl: str, c
         options = {"emulate_precision_casts": True}  # keep eager's bf16 roundings between fused ops
         gdn_layer = torch.compile(gdn_layer, fullgraph=True, options=options)
         attention_layer = torch.compile(attention_layer, fullgraph=True, options=options)
+        gdn_layer_packed = torch.compile(gdn_layer_packed, fullgraph=True, options=options)
     zeros: dict = {}  # one zero history per batch size for every layer
     for layer in text_model.layers:
-        fn = gdn_layer if layer.layer_type == "linear_attention" else attention_layer
-        layer.fused_forward = FusedLayer(layer, fn, zeros)
+        if layer.layer_type == "linear_attention":
+            layer.fused_forward = FusedLayer(layer, gdn_layer, zeros, packed_fn=gdn_layer_packed)
+        else:
+            layer.fused_forward = FusedLayer(layer, attention_layer, zeros)

@@ -17,6 +17,8 @@ Shape letters:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -445,6 +447,32 @@ def decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bia
 
 
 # --------------------------------------------------------------------------------------------
+# Packed sequences (several continuations of one prefix in one row)
+
+
+class Packing(NamedTuple):
+    """Sequences packed into one row of T tokens (batch 1), each continuing the same cached prefix.
+
+    Only the fused layer functions (fused_layers.py) take it; the module path refuses it.
+    """
+
+    seq_ids: torch.Tensor  # [T] int64: the sequence of each token
+    offsets: torch.Tensor  # [T] int64: its position within that sequence
+    conv_taps: torch.Tensor  # [K, T] int64: causal-conv inputs per tap, indices into [prefix conv tail (K-1) | row]
+    cu_seqlens: torch.Tensor  # [n + 1] int64: sequence boundaries
+    chunk_indices: torch.Tensor  # [NT, 2] int64: (sequence, chunk) of every 64-token delta-rule chunk
+
+
+def packed_mask(packing: Packing, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [1, 1, T, past + T]: every token sees the prefix and its own sequence causally."""
+    same = packing.seq_ids[:, None] == packing.seq_ids[None, :]
+    causal = packing.offsets[None, :] <= packing.offsets[:, None]
+    T = packing.seq_ids.shape[0]
+    allowed = torch.cat([torch.ones(T, past, dtype=torch.bool, device=device), same & causal], dim=1)
+    return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)[None, None]
+
+
+# --------------------------------------------------------------------------------------------
 # Decoder and text model
 
 
@@ -461,9 +489,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fused_forward = None  # seam: the whole layer as one compiled function (fused_layers.py)
 
-    def forward(self, x, cos, sin, mask, cache=None):
+    def forward(self, x, cos, sin, mask, cache=None, packing: Packing | None = None):
         if self.fused_forward is not None:
-            return self.fused_forward(x, cos, sin, mask, cache)
+            return self.fused_forward(x, cos, sin, mask, cache, packing)
+        if packing is not None:
+            raise ValueError("packed sequences need the fused layer functions (kernels='fast')")
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, cache)
@@ -492,7 +522,8 @@ class TextModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(
-        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: TextCache | None = None
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: TextCache | None = None,
+        packing: Packing | None = None,
     ) -> torch.Tensor:
         """Run the decoder stack.
 
@@ -501,16 +532,21 @@ class TextModel(nn.Module):
             position_ids: [3, B, T] (or [3, 1, T]) M-RoPE positions; the caller continues them
                 after a cached prefix.
             cache: state of earlier tokens, continued and updated in place; None for one-shot runs.
+            packing: inputs_embeds [1, T, H] holds several sequences that each continue `cache`
+                (fused layers only); the cache then keeps the prefix's GDN state, not a continuation.
         Returns:
             last_hidden_state [B, T, H] after the final norm.
         """
         B, T, _ = inputs_embeds.shape
         past = cache.num_tokens if cache is not None else 0
         cos, sin = self.rotary_emb(inputs_embeds, position_ids)  # [B, T, R]
-        mask = causal_mask(T, past, inputs_embeds.dtype, inputs_embeds.device)  # [1, 1, T, S]
+        if packing is None:
+            mask = causal_mask(T, past, inputs_embeds.dtype, inputs_embeds.device)  # [1, 1, T, S]
+        else:
+            mask = packed_mask(packing, past, inputs_embeds.dtype, inputs_embeds.device)
         h = inputs_embeds
         for layer in self.layers:
-            h = layer(h, cos, sin, mask, cache)
+            h = layer(h, cos, sin, mask, cache, packing)
         if cache is not None:
             cache.num_tokens = past + T
         return self.norm(h)

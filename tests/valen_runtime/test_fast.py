@@ -8,6 +8,8 @@ CPU-runnable comparisons run everywhere; the CUDA ones are marked `gpu` and run 
 from __future__ import annotations
 
 
+import shutil
+
 import pytest
 import torch
 
@@ -223,3 +225,45 @@ def test_compiled_fused_layers_match_module_path_cuda(tiny_export, dtype):
             assert diff.max() <= 1e-4 * want.float().abs().max() + 5e-5, diff.max()
         else:
             assert diff.mean() < 0.02 and diff.max() < 0.25, (diff.mean(), diff.max())
+
+
+@pytest.mark.parametrize("dtype, atol", [("fp32", 2e-5), ("bf16", 0.15)])
+def test_packed_branches_equal_padded_branches_cpu(tiny_export, dtype, atol):
+    """pack=True: the branches as varlen sequences in one row (no padding rows). Same function as
+    the padded batch: fp32 round-off only; bf16 within the shared-prefix bf16 bound above."""
+    from valen_runtime.engine import Engine
+
+    padded = Engine.load(tiny_export["separate"], device="cpu", dtype=dtype, mode="shared-prefix", kernels="fast")
+    packed = Engine.load(tiny_export["separate"], device="cpu", dtype=dtype, mode="shared-prefix", kernels="fast", pack=True)
+    per_branch = Engine.load(tiny_export["separate"], device="cpu", dtype=dtype, mode="per-branch")
+    for request in (REQUEST, REQUEST_IMAGE_LONG):
+        want, got, base = padded.run(request), packed.run(request), per_branch.run(request)
+        for a, b, c in zip(want.logits, got.logits, base.logits):
+            assert (a - b).abs().max().item() <= atol, (dtype, a, b)
+            assert (c - b).abs().max().item() <= atol, (dtype, c, b)
+        assert got.response["usage"] == base.response["usage"]
+    plan = packed._plan(packed.compiler.compile(REQUEST_IMAGE_LONG))
+    P, cut, T = plan.sizes[:3]
+    assert plan.packed and cut > 0 and T % 8 == 0 and sum(plan.sizes[-1]) == T  # one row, no padding rows but < 8
+
+
+def test_pack_needs_the_fused_layers(tiny_export):
+    from valen_runtime.engine import Engine
+
+    with pytest.raises(ValueError, match="fused layers"):
+        Engine.load(tiny_export["separate"], device="cpu", mode="shared-prefix", kernels="torch", pack=True)
+    with pytest.raises(ValueError, match="fused layers"):
+        Engine.load(tiny_export["separate"], device="cpu", mode="per-branch", kernels="fast", pack=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
+def test_compiled_packed_branches_cpu(tiny_export):
+    """The packed path through torch.compile (inductor C++ here), fp32, against the eager padded one."""
+    from valen_runtime.engine import Engine
+
+    eager = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast")
+    compiled = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast", pack=True, compile=True)
+    for request in (REQUEST, REQUEST_IMAGE_LONG, REQUEST):
+        for a, b in zip(eager.run(request).logits, compiled.run(request).logits):
+            assert (a - b).abs().max().item() <= 2e-5, (a, b)

@@ -151,3 +151,36 @@ def test_grouped_lora_projection_equals_separate_lora_linears(sizes):
     if sizes == [768, 256, 8, 8]:
         assert p.groups == (0, 0, 0, 1) and p.lora_b.shape == (4, 256, 4) and p.lora_b_small.shape == (16, 8)
     torch.testing.assert_close(project(x, p), want, rtol=1e-5, atol=1e-5)  # fp32: scale folding only
+
+
+def test_packed_conv_and_delta_rule_equal_per_sequence_runs():
+    """The packed forms against the batched ones, one sequence at a time, all from one history."""
+    from valen_runtime.fused_layers import causal_conv_silu_packed, gated_delta_rule_varlen_op
+    from valen_runtime.gated_delta import l2norm
+
+    gen = torch.Generator().manual_seed(8)
+    C, K, H, D = 6, 4, 2, 8
+    lengths = [5, 1, 70, 3]
+    T = sum(lengths)
+    weight = torch.randn(C, 1, K, generator=gen)
+    prev = torch.randn(1, C, K - 1, generator=gen)
+    mixed = torch.randn(1, T, C, generator=gen)
+    offsets = torch.cat([torch.arange(n) for n in lengths])
+    rows = torch.arange(T)
+    taps = torch.stack([torch.where(offsets + j >= K - 1, rows + j, offsets + j) for j in range(K)])
+    packed = causal_conv_silu_packed(mixed, prev, weight, taps)
+    q, k = (l2norm(torch.randn(1, T, H, D, generator=gen)) for _ in range(2))
+    v = torch.randn(1, T, H, D, generator=gen)
+    g, beta = -torch.rand(1, T, H, generator=gen), torch.rand(1, T, H, generator=gen)
+    state = torch.randn(1, H, D, D, generator=gen)
+    cu = torch.tensor([0, 5, 6, 76, 79])
+    out = gated_delta_rule_varlen_op(q, k, v, g, beta, state.expand(4, -1, -1, -1).contiguous(), cu, torch.zeros(0, 2, dtype=torch.long), "torch")
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        want, _ = causal_conv_silu(mixed[:, start:end], prev, weight)
+        # Same products in the same order; vectorised kernels may fuse a multiply-add differently (1 ulp).
+        torch.testing.assert_close(packed[:, start:end], want, rtol=1e-6, atol=1e-7)
+        from valen_runtime.gated_delta import chunk_gated_delta_rule
+
+        want_o, _ = chunk_gated_delta_rule(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end],
+                                           initial_state=state, use_qk_l2norm_in_kernel=False)
+        assert torch.equal(out[:, start:end], want_o)
