@@ -35,7 +35,10 @@ def rope_index(
         position_ids [3, T] int64 (temporal, height, width) and next_position = max + 1
         (`start` for an empty sequence); HF's rope_delta is next_position - start - T.
     """
-    types = torch.as_tensor(mm_token_type_ids).reshape(-1).tolist()
+    if isinstance(mm_token_type_ids, torch.Tensor):
+        types = mm_token_type_ids.reshape(-1).tolist()
+    else:  # a list already (the compiler's form): no round trip through a tensor
+        types = list(mm_token_type_ids)
     n_tokens = len(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids.reshape(-1).shape[0]
     if len(types) != n_tokens:
         raise ValueError(f"mm_token_type_ids has {len(types)} entries for {n_tokens} tokens")
