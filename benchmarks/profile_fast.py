@@ -56,7 +56,7 @@ def graph_replays(engine, iters: int = 20) -> dict:
     out = {}
     if engine.graphs is None:
         return out
-    for key, (graph, _, _) in engine.graphs.graphs.items():
+    for key, (graph, *_) in engine.graphs.graphs.items():
         sync()
         t = time.perf_counter()
         for _ in range(iters):

@@ -23,7 +23,7 @@ import torch
 from .answers import answer_from_probabilities, batch_probabilities, response
 from .compile import CompiledRequest, Compiler
 from .positions import rope_index
-from .qwen35 import Packing
+from .qwen35 import Packing, TextCache
 from .vision import frame_lengths, grid_list
 from .weights import LoadedModel, load_model
 
@@ -59,6 +59,17 @@ class _Plan:
             out.append(flat[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
         return out
+
+
+def _head_index(branches, starts: list[int], cut: int) -> tuple[torch.Tensor, int]:
+    """Head rows for branches whose first token (absolute position `cut`) sits at row starts[k]:
+    [candidate rows (C) | decision rows (N) | branch of each candidate (C)] int64, and C."""
+    cand_rows, cand_branch, dec_rows = [], [], []
+    for k, (br, start) in enumerate(zip(branches, starts)):
+        cand_rows += [start + p - cut for p in br.candidate_positions]
+        cand_branch += [k] * len(br.candidate_positions)
+        dec_rows.append(start + br.decision_position - cut)
+    return torch.tensor(cand_rows + dec_rows + cand_branch, dtype=torch.int64), len(cand_rows)
 
 
 class Engine:
@@ -103,7 +114,6 @@ class Engine:
             if graphs and not str(self.kernels.get("gated_delta")).startswith("fla"):
                 raise ValueError("pack=True with CUDA graphs needs flash-linear-attention's varlen kernel (bf16)")
         self.graphs = None
-        self._grid_tables: dict = {}  # image grids -> vision position / rotary tables (graphed path)
         if graphs:
             from .fast import GraphCache
 
@@ -154,15 +164,13 @@ class Engine:
         pixel_values = st.pixel_values_on(m.device)  # uint8 uploaded, patches made on the device
         if self.graphs is None:
             return m.vision(pixel_values, st.image_grid_thw)  # [n_image_tokens, H]
-        # Graphed per image-grid combination; the grid tables are built once and kept (weights only).
-        grids = tuple(grid_list(st.image_grid_thw))
-        tables = self._grid_tables.get(grids)
-        if tables is None:
-            if len(self._grid_tables) >= self.graphs.max_graphs:
-                self._grid_tables.pop(next(iter(self._grid_tables)))
-            tables = self._grid_tables[grids] = m.vision.grid_tables(list(grids))
-        lengths = frame_lengths(list(grids))
-        (features,) = self.graphs.run(("vision", grids), lambda px: (m.vision.encode(px, *tables, lengths),), [pixel_values])
+        # Graphed per image-grid combination. The grid tables (weights only) are built when the
+        # graph is captured; the graph cache keeps the closure, so they live as long as the graph.
+        grids = grid_list(st.image_grid_thw)
+        key = ("vision", tuple(grids))
+        tables = None if key in self.graphs else m.vision.grid_tables(grids)
+        lengths = frame_lengths(grids)
+        (features,) = self.graphs.run(key, lambda px: (m.vision.encode(px, *tables, lengths),), [pixel_values])
         return features
 
     def _embed(self, ids: list[int], image_mask: torch.Tensor | None, features: torch.Tensor | None) -> torch.Tensor:
@@ -237,8 +245,9 @@ class Engine:
         cut = (P // CHUNK) * CHUNK if self.align_prefix else P
         branches = [br for q in compiled.questions for br in q.branches]
         N, tail = len(branches), P - cut
+        image_index = torch.tensor([i for i, t in enumerate(st.mm_token_type_ids) if t == 1], dtype=torch.int64)
         if self.pack:
-            return self._plan_packed(compiled, branches, positions, next_pos, cut)
+            return self._plan_packed(compiled, branches, positions, next_pos, cut, image_index)
         # Right padding is exact for the real tokens: every layer is causal, so a pad token never
         # influences an earlier position. Lengths round up to a multiple of 8 so graphs are reused.
         L = -(-(tail + max(len(br.suffix_ids) for br in branches)) // 8) * 8
@@ -246,38 +255,25 @@ class Engine:
         suffix_ids = torch.tensor([br.suffix_ids + [pad_id] * (L - tail - len(br.suffix_ids)) for br in branches])  # [N, L - tail]
         suffix_pos = torch.arange(next_pos, next_pos + L - tail).view(1, 1, -1).expand(3, N, -1)
         rows_pos = torch.cat([positions[:, None, cut:].expand(3, N, -1), suffix_pos], dim=2)  # [3, N, L]
-        image_index = torch.tensor([i for i, t in enumerate(st.mm_token_type_ids) if t == 1], dtype=torch.int64)
-        # Head rows in the flattened [N * L, H] hidden states: candidates, decisions, candidate -> branch.
-        cand_rows, cand_branch, dec_rows = [], [], []
-        for k, br in enumerate(branches):
-            cand_rows += [k * L + p - cut for p in br.candidate_positions]
-            cand_branch += [k] * len(br.candidate_positions)
-            dec_rows.append(k * L + br.decision_position - cut)
-        head_index = torch.tensor(cand_rows + dec_rows + cand_branch, dtype=torch.int64)
+        head_index, C = _head_index(branches, [k * L for k in range(N)], cut)  # rows of the flattened [N * L, H]
         parts = [torch.tensor([st.input_ids]), positions[:, None, :cut], suffix_ids, rows_pos, image_index, head_index]
-        sizes = (P, cut, N, L, len(cand_rows), len(image_index))
+        sizes = (P, cut, N, L, C, len(image_index))
         return _Plan(parts, sizes, [len(br.candidate_positions) for br in branches])
 
     def _planned_logits(self, sizes, state_ids, prefix_pos, suffix_ids, rows_pos, image_index, head_index, features=None):
         """Device part of shared-prefix execution (capturable: no host work): logits [C] fp32."""
-        m = self.model
+        text = self.model.text
         P, cut, N, L, C, _ = sizes
-        embeds = m.text.embed(state_ids)  # [1, P, H]
-        if features is not None:
-            # As HF's masked_scatter: image features replace the <|image_pad|> embeddings in order.
-            embeds = embeds.index_copy(1, image_index, features[None].to(embeds.dtype))
-        rows = torch.cat([embeds[:, cut:].expand(N, -1, -1), m.text.embed(suffix_ids)], dim=1)  # [N, L, H]
+        embeds = self._state_embeds(state_ids, image_index, features)  # [1, P, H]
+        rows = torch.cat([embeds[:, cut:].expand(N, -1, -1), text.embed(suffix_ids)], dim=1)  # [N, L, H]
         if cut == 0:
-            hidden = m.text(rows, rows_pos)  # nothing to share: one batched forward
+            hidden = text(rows, rows_pos)  # nothing to share: one batched forward
         else:
-            hidden = self._suffix_hidden(rows, rows_pos, *self._prefix_state(embeds[:, :cut], prefix_pos))
-        flat = hidden.reshape(N * L, -1)
-        head = m.head
-        c = head.candidate(flat[head_index[:C]].float())  # [C, P]
-        d = head.decision(flat[head_index[C : C + N]].float())  # [N, P]
-        return ((c * d[head_index[C + N :]]).sum(-1) / head.scale,)  # [C]
+            hidden = text(rows, rows_pos, cache=self._prefix_cache(embeds[:, :cut], prefix_pos).expand(N))
+        return self._head_logits(hidden.reshape(N * L, -1), head_index, C, N)
 
-    def _plan_packed(self, compiled: CompiledRequest, branches, positions: torch.Tensor, next_pos: int, cut: int) -> "_Plan":
+    def _plan_packed(self, compiled: CompiledRequest, branches, positions: torch.Tensor, next_pos: int, cut: int,
+                     image_index: torch.Tensor) -> "_Plan":
         """Branches as sequences [state tail | suffix] packed back to back in one row of T tokens
         (T rounded up to 8 with one extra pad sequence), each continuing the prefix state."""
         st = compiled.state
@@ -308,65 +304,45 @@ class Engine:
         taps = torch.stack([torch.where(offsets + j >= K - 1, rows + j, offsets + j) for j in range(K)])  # [K, T]
         cu_seqlens = torch.tensor([0] + list(itertools.accumulate(seq_lengths)))
         chunk_indices = torch.tensor([[i, c] for i, n in enumerate(seq_lengths) for c in range(-(-n // CHUNK))]).view(-1, 2)
-        image_index = torch.tensor([i for i, t in enumerate(st.mm_token_type_ids) if t == 1], dtype=torch.int64)
-        cand_rows, cand_branch, dec_rows = [], [], []
-        for k, (br, start) in enumerate(zip(branches, starts)):
-            cand_rows += [start + p - cut for p in br.candidate_positions]
-            cand_branch += [k] * len(br.candidate_positions)
-            dec_rows.append(start + br.decision_position - cut)
-        head_index = torch.tensor(cand_rows + dec_rows + cand_branch, dtype=torch.int64)
+        head_index, C = _head_index(branches, starts, cut)
         parts = [torch.tensor([st.input_ids]), positions[:, None, :cut], torch.tensor(suffix_ids, dtype=torch.int64),
                  torch.tensor(source), rows_pos, image_index, head_index, seq_ids, offsets, taps, cu_seqlens, chunk_indices]
         # Every sequence length is part of the key: the varlen kernels' launch grids depend on them.
-        sizes = (P, cut, T, len(cand_rows), len(image_index), len(branches), tuple(seq_lengths))
+        sizes = (P, cut, T, C, len(image_index), len(branches), tuple(seq_lengths))
         return _Plan(parts, sizes, [len(br.candidate_positions) for br in branches], packed=True)
 
     def _packed_logits(self, sizes, state_ids, prefix_pos, suffix_ids, source, rows_pos, image_index, head_index,
                        seq_ids, offsets, taps, cu_seqlens, chunk_indices, features=None):
         """`_planned_logits` for packed branches: one row of T tokens, no padding rows."""
-        m = self.model
+        text = self.model.text
         P, cut, T, C, _, N, _ = sizes
-        embeds = m.text.embed(state_ids)  # [1, P, H]
+        embeds = self._state_embeds(state_ids, image_index, features)  # [1, P, H]
+        rows = torch.cat([embeds[0], text.embed(suffix_ids)])[source][None]  # [1, T, H]
+        cache = self._prefix_cache(embeds[:, :cut], prefix_pos) if cut > 0 else None
+        packing = Packing(seq_ids, offsets, taps, cu_seqlens, chunk_indices)
+        hidden = text(rows, rows_pos, cache=cache, packing=packing)  # [1, T, H]
+        return self._head_logits(hidden[0], head_index, C, N)
+
+    # Pieces of the device functions above (capturable: no host work).
+    def _state_embeds(self, state_ids: torch.Tensor, image_index: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """[1, P, H]; as HF's masked_scatter, image features replace the <|image_pad|> embeddings in order."""
+        embeds = self.model.text.embed(state_ids)
         if features is not None:
             embeds = embeds.index_copy(1, image_index, features[None].to(embeds.dtype))
-        rows = torch.cat([embeds[0], m.text.embed(suffix_ids)])[source][None]  # [1, T, H]
-        packing = Packing(seq_ids, offsets, taps, cu_seqlens, chunk_indices)
-        cache = None
-        if cut > 0:
-            cache = m.text.new_cache()
-            m.text(embeds[:, :cut], prefix_pos, cache=cache)
-        flat = m.text(rows, rows_pos, cache=cache, packing=packing)[0]  # [T, H]
-        head = m.head
-        c = head.candidate(flat[head_index[:C]].float())  # [C, P]
-        d = head.decision(flat[head_index[C : C + N]].float())  # [N, P]
-        return ((c * d[head_index[C + N :]]).sum(-1) / head.scale,)  # [C]
+        return embeds
 
-    # The two phases as pure tensor functions (capturable as CUDA graphs). The state is a flat
-    # tuple: per GDN layer (conv tail [1, C, K-1], recurrent state [1, Hv, Dk, Dv] fp32), per
-    # attention layer (keys, values [1, Hk, P, D]).
-    def _prefix_state(self, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _prefix_cache(self, embeds: torch.Tensor, positions: torch.Tensor) -> TextCache:
+        """Run the shared prefix [1, cut, H] once; its per-layer state is what every branch continues."""
         cache = self.model.text.new_cache()
         self.model.text(embeds, positions, cache=cache)
-        flat = []
-        for i, kind in enumerate(cache.layer_types):
-            if kind == "linear_attention":
-                flat += [cache.conv_states[i], cache.recurrent_states[i]]
-            else:
-                flat += [cache.keys[i], cache.values[i]]
-        return tuple(flat)
+        return cache
 
-    def _suffix_hidden(self, embeds: torch.Tensor, positions: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
-        text = self.model.text
-        cache = text.new_cache()
-        it = iter(state)
-        for i, kind in enumerate(cache.layer_types):
-            a, b = next(it), next(it)
-            if kind == "linear_attention":
-                cache.conv_states[i], cache.recurrent_states[i] = a, b
-            else:
-                cache.keys[i], cache.values[i] = a, b
-                cache.num_tokens = a.shape[2]
-        return text(embeds, positions, cache=cache.expand(embeds.shape[0]))  # [N, L, H]
+    def _head_logits(self, flat: torch.Tensor, head_index: torch.Tensor, C: int, N: int) -> tuple[torch.Tensor]:
+        """The head for every branch at once from hidden rows [R, H]: logits [C] fp32."""
+        head = self.model.head
+        c = head.candidate(flat[head_index[:C]].float())  # [C, P]
+        d = head.decision(flat[head_index[C : C + N]].float())  # [N, P]
+        return ((c * d[head_index[C + N :]]).sum(-1) / head.scale,)
 
     # ---- whole requests ---------------------------------------------------------------------
 

@@ -235,7 +235,8 @@ class GraphCache:
 
     Inputs are copied into static buffers; outputs are the graph's own buffers, valid until the
     next replay of the same key (callers use them before the next request). The first call of a
-    key warms up on a side stream (Triton autotuning, cuBLAS handles), then captures.
+    key warms up on a side stream (Triton autotuning, cuBLAS handles), then captures. Each entry
+    keeps `fn`, so tensors `fn` closes over (which the graph reads) live as long as the graph.
     """
 
     def __init__(self, pool=None, max_graphs: int = 64):
@@ -245,6 +246,9 @@ class GraphCache:
 
     def __len__(self) -> int:
         return len(self.graphs)
+
+    def __contains__(self, key) -> bool:
+        return key in self.graphs
 
     def run(self, key, fn: Callable, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         entry = self.graphs.get(key)
@@ -263,8 +267,8 @@ class GraphCache:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 static_out = fn(*static_in)
-            entry = self.graphs[key] = (graph, static_in, static_out)
-        graph, static_in, static_out = entry
+            entry = self.graphs[key] = (graph, static_in, static_out, fn)
+        graph, static_in, static_out, _ = entry
         for dst, src in zip(static_in, inputs):
             dst.copy_(src, non_blocking=True)
         graph.replay()
