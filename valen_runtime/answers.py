@@ -29,14 +29,7 @@ def _validate_temperature(temperature) -> float:
 
 def probabilities(logits: torch.Tensor, count: int, temperature: float = 1.0) -> list[float]:
     """softmax(logits / T) in FP32 on the logits' device, then float64 renormalised on the host."""
-    temperature = _validate_temperature(temperature)
-    if not isinstance(logits, torch.Tensor):
-        raise ValueError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.ndim != 1 or logits.shape[0] != count:
-        raise ValueError(f"expected one logit per candidate: shape ({count},), got {tuple(logits.shape)}")
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError("logits must be finite")
-    return _renormalise((logits.float() / temperature).softmax(-1).detach().cpu().tolist())
+    return batch_probabilities([logits], [count], temperature)[0][0]
 
 
 def _renormalise(values: list[float]) -> list[float]:
@@ -47,17 +40,17 @@ def _renormalise(values: list[float]) -> list[float]:
 def batch_probabilities(logits: Sequence[torch.Tensor], counts: Sequence[int], temperature: float = 1.0) -> tuple[list[list[float]], list[torch.Tensor]]:
     """`probabilities` for several questions with one device-to-host transfer.
 
-    The softmaxes run on the logits' device as in `probabilities` (same values bit for bit); the
-    logits and probabilities of all questions then come back in one copy. Returns the
-    probabilities and the logits on the CPU.
+    The softmaxes run on the logits' device, as the reference's; the logits and probabilities of
+    all questions then come back in one copy. Returns the probabilities and the logits on the CPU.
     """
     temperature = _validate_temperature(temperature)
     if len(logits) != len(counts):
         raise ValueError(f"{len(logits)} logit tensors for {len(counts)} questions")
     for lg, count in zip(logits, counts):
-        if not isinstance(lg, torch.Tensor) or lg.ndim != 1 or lg.shape[0] != count:
-            shape = tuple(lg.shape) if isinstance(lg, torch.Tensor) else type(lg).__name__
-            raise ValueError(f"expected one logit per candidate: shape ({count},), got {shape}")
+        if not isinstance(lg, torch.Tensor):
+            raise ValueError(f"logits must be a torch.Tensor, got {type(lg).__name__}")
+        if lg.ndim != 1 or lg.shape[0] != count:
+            raise ValueError(f"expected one logit per candidate: shape ({count},), got {tuple(lg.shape)}")
     if not logits:
         return [], []
     probs = [(lg.float() / temperature).softmax(-1) for lg in logits]
