@@ -365,10 +365,20 @@ class ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from e
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        return cls.from_dict(d, strict=strict)
+        return cls.from_dict(read_config_json(path), strict=strict)
+
+
+def read_config_json(path: str | Path) -> dict:
+    """A JSON object from one of a model folder's config files (config.json, tokenizer and
+    preprocessor configs); a ConfigError naming the file when it cannot be read or is not one."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from e
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return value

@@ -13,7 +13,6 @@ decoded. Token expansion and prompt building live in compile.py.
 from __future__ import annotations
 
 import io
-import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 
+from .config import read_config_json
 from .errors import ConfigError, RequestError
 
 # Wire limits of the /v1/systemone worker (native-contract.md §9.1).
@@ -111,13 +111,7 @@ class ImageConfig:
 
     @classmethod
     def from_file(cls, path: Path, media_kwargs: dict | None = None) -> "ImageConfig":
-        try:
-            config = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{path}: cannot read preprocessor config ({exc})") from exc
-        if not isinstance(config, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        return cls.from_dict(config, media_kwargs)
+        return cls.from_dict(read_config_json(path), media_kwargs)
 
     def with_media_kwargs(self, media_kwargs: dict) -> "ImageConfig":
         """Apply processor call kwargs the way 5.4.0's image processor would; refuse unknown ones."""

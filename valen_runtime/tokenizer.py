@@ -19,6 +19,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
+from .config import read_config_json
 from .errors import ConfigError
 
 # transformers' PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES, in its order.
@@ -145,14 +146,14 @@ class Tokenizer:
             backend = _BackendTokenizer.from_file(str(directory / "tokenizer.json"))
         except Exception as exc:
             raise ConfigError(f"{directory / 'tokenizer.json'}: cannot load ({exc})") from exc
-        config = _read_json(directory / "tokenizer_config.json")
+        config = read_config_json(directory / "tokenizer_config.json")
         special_map_path = directory / "special_tokens_map.json"
-        special_map = _read_json(special_map_path) if special_map_path.exists() else None
+        special_map = read_config_json(special_map_path) if special_map_path.exists() else None
         template_path = directory / "chat_template.jinja"
         if template_path.exists():
             template = template_path.read_text(encoding="utf-8")
         elif (directory / "chat_template.json").exists():
-            template = _read_json(directory / "chat_template.json").get("chat_template")
+            template = read_config_json(directory / "chat_template.json").get("chat_template")
         else:
             template = config.get("chat_template")
         if not isinstance(template, str):
@@ -207,13 +208,3 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             **self.special_tokens_map,
         )
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read ({exc})") from exc
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return value
