@@ -134,12 +134,18 @@ def causal_conv_silu(mixed: torch.Tensor, prev: torch.Tensor, weight: torch.Tens
     """
     K, T = weight.shape[-1], mixed.shape[1]
     full = torch.cat([prev.transpose(1, 2).to(mixed.dtype), mixed], dim=1)  # [B, K-1+T, C]
-    w = weight[:, 0, :].float()  # [C, K]
-    acc = full[:, 0:T].float() * w[:, 0]
-    for j in range(1, K):
-        acc = acc + full[:, j : j + T].float() * w[:, j]
-    out = F.silu(acc.to(mixed.dtype))
+    out = _conv_taps_silu([full[:, j : j + T] for j in range(K)], weight, mixed.dtype)
     return out, full[:, T:].transpose(1, 2)  # tail [B, C, K-1]
+
+
+def _conv_taps_silu(taps: list[torch.Tensor], weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """silu(sum_j taps[j] * weight[:, 0, j]) with the sum in fp32 and one rounding to `dtype`;
+    taps[j] [.., T, C] holds every output's j-th conv input."""
+    w = weight[:, 0, :].float()  # [C, K]
+    acc = taps[0].float() * w[:, 0]
+    for j in range(1, len(taps)):
+        acc = acc + taps[j].float() * w[:, j]
+    return F.silu(acc.to(dtype))
 
 
 def causal_conv_silu_packed(mixed: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
@@ -150,11 +156,7 @@ def causal_conv_silu_packed(mixed: torch.Tensor, prev: torch.Tensor, weight: tor
     before its start) -> out [1, T, C]. Same products and order as the unpacked form.
     """
     src = torch.cat([prev.transpose(1, 2).to(mixed.dtype), mixed], dim=1)  # [1, K-1+T, C]
-    w = weight[:, 0, :].float()  # [C, K]
-    acc = src[:, taps[0]].float() * w[:, 0]
-    for j in range(1, weight.shape[-1]):
-        acc = acc + src[:, taps[j]].float() * w[:, j]
-    return F.silu(acc.to(mixed.dtype))
+    return _conv_taps_silu([src[:, taps[j]] for j in range(weight.shape[-1])], weight, mixed.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
