@@ -5,7 +5,7 @@
 #   1. install the carried pinned stack into /tmp/site and fla-core into /tmp/site-fla (the
 #      reference's process drops the latter from PYTHONPATH and blocks the import),
 #   2. the gpu-marked tests (fast paths vs reference paths),
-#   3. benchmarks/latency.py on the 2b preset (reference path vs runtime modes, one run),
+#   3. benchmarks/latency.py on the 2b preset (reference path vs runtime modes, one run; LATENCY_ARGS adds options, e.g. --skip-reference --only graphs),
 #   4. valen-parity on the 2b preset: bf16 per-branch and shared-prefix, fp32 per-branch, both LoRA modes.
 set -uo pipefail
 FINAL=${OUT:-/tmp/valen-gpu-out}
@@ -30,7 +30,7 @@ if [[ " $STEPS " == *" profile "* ]]; then
 fi
 
 if [[ " $STEPS " == *" latency "* ]]; then
-  timeout $(cap ${LATENCY_TIMEOUT:-330}) python3 benchmarks/latency.py --work "$WORK" --out "$OUT/latency.json" --iters 10 --warmup 3 --ref-iters 3 > "$OUT/latency.log" 2>&1
+  timeout $(cap ${LATENCY_TIMEOUT:-330}) python3 benchmarks/latency.py --work "$WORK" --out "$OUT/latency.json" --iters 10 --warmup 3 --ref-iters 3 ${LATENCY_ARGS:-} > "$OUT/latency.log" 2>&1
   grep -E "median|ready|done|ERROR" "$OUT/latency.log" | tail -30
 fi
 

@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--preset", choices=["2b", "tiny"], default="2b", help="tiny: a CPU smoke run of this script")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--only", action="append", default=[], metavar="TEXT",
+                    help="keep only configurations whose label contains TEXT (repeatable)")
     args = ap.parse_args()
 
     from valen_export.export import export
@@ -137,6 +139,8 @@ def main() -> None:
     ]
     if args.device != "cuda":
         configs = configs[:2]
+    if args.only:
+        configs = [c for c in configs if any(t in c[0] for t in args.only)]
     from valen_runtime.compile import Compiler
     from valen_runtime.weights import load_model
 
@@ -160,7 +164,7 @@ def main() -> None:
         row = {"modes": {}}
         if name in ref:
             row["modes"]["reference (transformers 5.4.0, eager, per branch)"] = stats(ref[name]["times_s"])
-        compiled = engines[configs[0][0]].compiler.compile(req)
+        compiled = compiler.compile(req)
         for label, kw in configs:
             engine = engines.get(label)
             if engine is None:
