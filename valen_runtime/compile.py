@@ -14,6 +14,7 @@ import json
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import jinja2
@@ -48,12 +49,31 @@ _ROLES = ("user", "assistant", "system")
 
 
 @dataclass
-class StateInputs:
-    """The shared prefix (length B): what the processor returns for the state messages.
+class ImageInputs:
+    """A state's images, decoded and resized: all the vision tower needs, known before the text
+    is tokenized (so an engine can start the tower while the host tokenizes).
 
     Images are kept as resized uint8 [1, C, H, W] tensors; `pixel_values_on(device)` turns them
     into the processor's fp32 patches where the vision tower runs (bit-identical on every device,
-    and 4x fewer bytes to upload). `pixel_values` is the CPU result, as the processor returns it.
+    and 4x fewer bytes to upload).
+    """
+
+    images: list[torch.Tensor]  # resized uint8 [1, C, H, W], prompt order
+    grid_thw: torch.Tensor  # [n_images, 3] int64
+    config: ImageConfig
+
+    def pixel_values_on(self, device: torch.device | str) -> torch.Tensor:
+        """[N, C * tp * p * p] fp32 patches of all images, computed on `device`."""
+        patches = [patchify(image.to(device, non_blocking=True), self.config) for image in self.images]
+        return stack_images(patches)[0]
+
+
+@dataclass
+class StateInputs:
+    """The shared prefix (length B): what the processor returns for the state messages.
+
+    `pixel_values` is the CPU result, as the processor returns it; `image_inputs` what an engine
+    uploads instead (see ImageInputs).
     """
 
     input_ids: list[int]
@@ -62,12 +82,13 @@ class StateInputs:
     image_grid_thw: torch.Tensor | None  # [n_images, 3] int64
     image_config: ImageConfig | None = None
 
+    @property
+    def image_inputs(self) -> ImageInputs | None:
+        return ImageInputs(self.images, self.image_grid_thw, self.image_config) if self.images else None
+
     def pixel_values_on(self, device: torch.device | str) -> torch.Tensor | None:
         """[N, C * tp * p * p] fp32 patches of all images, computed on `device`."""
-        if not self.images:
-            return None
-        patches = [patchify(image.to(device, non_blocking=True), self.image_config) for image in self.images]
-        return stack_images(patches)[0]
+        return self.image_inputs.pixel_values_on(device) if self.images else None
 
     @property
     def pixel_values(self) -> torch.Tensor | None:
@@ -212,11 +233,15 @@ class Compiler:
 
     # ---------------------------------------------------------------- public entry points
 
-    def compile_bytes(self, data: bytes) -> CompiledRequest:
-        return self.compile(parse_request_bytes(data))
+    def compile_bytes(self, data: bytes, on_images: Callable[["ImageInputs"], None] | None = None) -> CompiledRequest:
+        return self.compile(parse_request_bytes(data), on_images)
 
-    def compile(self, request: dict) -> CompiledRequest:
-        """Validate a parsed request and compile it; raises RequestError on any bad input."""
+    def compile(self, request: dict, on_images: Callable[[ImageInputs], None] | None = None) -> CompiledRequest:
+        """Validate a parsed request and compile it; raises RequestError on any bad input.
+
+        on_images: called with the state's images once they are decoded and resized, before the
+        state is tokenized (not for text-only states); an engine starts the vision tower there.
+        """
         if not isinstance(request, dict):
             raise RequestError("body", "the request must be a JSON object")
         for key in request:
@@ -229,7 +254,7 @@ class Compiler:
             raise RequestError("model", f"must be {MODEL_NAME!r}")
         questions = self._parse_questions(request["questions"])
         messages, images = self._parse_state(request["state"])
-        state = self._encode_state(messages, images)
+        state = self._encode_state(messages, images, on_images)
         compiled = [self._compile_question(q, len(state.input_ids)) for q in questions]
         base = len(state.input_ids)
         suffix_total = sum(len(b.suffix_ids) for q in compiled for b in q.branches)
@@ -428,7 +453,7 @@ class Compiler:
 
     # ---------------------------------------------------------------- encoding
 
-    def _encode_state(self, messages: list[dict], images: list[_ImageItem]) -> StateInputs:
+    def _encode_state(self, messages: list[dict], images: list[_ImageItem], on_images=None) -> StateInputs:
         resized, grids = [], []
         for image in images:
             decoded = decode_image(image.data, image.mime_format, image.field, self.image_limits)
@@ -438,6 +463,9 @@ class Compiler:
                 raise RequestError(image.field, str(exc)) from exc
             resized.append(batch)
             grids.append(patch_grid(batch, self.image_config))
+        grid_thw = torch.tensor(grids, dtype=torch.int64) if grids else None
+        if on_images is not None and resized:
+            on_images(ImageInputs(resized, grid_thw, self.image_config))
         try:
             text = self.tokenizer.render_chat(messages, add_generation_prompt=False)
         except jinja2.TemplateError as exc:
@@ -464,7 +492,6 @@ class Compiler:
         mm_token_type_ids = [
             1 if token == self.image_token_id else 2 if token == self.video_token_id else 0 for token in input_ids
         ]
-        grid_thw = torch.tensor(grids, dtype=torch.int64) if grids else None
         return StateInputs(input_ids, mm_token_type_ids, resized, grid_thw, self.image_config)
 
     def _compile_question(self, question: _ParsedQuestion, base_length: int) -> Question:

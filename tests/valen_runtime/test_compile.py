@@ -156,6 +156,29 @@ def test_image_state_matches_transformers(compiler, processor, case):
     assert sum(compiled.state.mm_token_type_ids) == int(grid.prod(-1).sum()) // 4
 
 
+def test_on_images_sees_the_images_before_the_state_is_tokenized(compiler, monkeypatch):
+    # The engine starts the vision tower from this hook, so it must come before tokenization and
+    # carry exactly what the compiled state ends up with.
+    events, seen = [], []
+    real_encode = compiler.tokenizer.encode_prompt
+    monkeypatch.setattr(compiler.tokenizer, "encode_prompt", lambda text: events.append("tokenize") or real_encode(text))
+
+    def on_images(images):
+        events.append("images")
+        seen.append(images)
+
+    urls = [data_url(png(70, 50, seed=3)), data_url(jpeg_rotated(40, 90), "jpeg")]
+    state = {"messages": [{"role": "user", "content": [{"type": "image", "image": u} for u in urls]}]}
+    compiled = compiler.compile(request(state=state), on_images)
+    assert events == ["images", "tokenize"]
+    (images,) = seen
+    assert torch.equal(images.grid_thw, compiled.state.image_grid_thw)
+    assert torch.equal(images.pixel_values_on("cpu"), compiled.state.pixel_values)
+    events.clear()
+    compiler.compile(request(state="text only"), on_images)
+    assert events == ["tokenize"]
+
+
 def test_messages_with_two_images_match_transformers(compiler, processor):
     first, second = data_url(png(70, 50, seed=1)), data_url(jpeg_rotated(40, 90), "jpeg")
     state = {

@@ -108,3 +108,30 @@ def test_valen_run_shared_prefix_fast_kernels_on_the_cpu(tiny_export, tmp_path):
     torch_path = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix")
     for a, b in zip(fast.run(TEXT_REQUEST).logits, torch_path.run(TEXT_REQUEST).logits):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # fp32: conv / LoRA summation order only
+
+
+def test_vision_started_inside_the_compile_gives_the_same_logits(tiny_export):
+    # On CUDA Engine.run queues the vision tower from the compiler's on_images hook; forced on
+    # here, the result must equal the plain order (compile, then vision).
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from valen_runtime.engine import Engine
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(5).integers(0, 256, (60, 90, 3), dtype=np.uint8)).save(buffer, "PNG")
+    req = dict(TEXT_REQUEST, state={"image": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()})
+    engine = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32")
+    calls = []
+    real = engine.vision_features
+    engine.vision_features = lambda images: calls.append(1) or real(images)
+    engine.overlap_vision = False
+    plain = engine.run(req)
+    engine.overlap_vision = True
+    overlapped = engine.run(req)
+    assert calls == [1, 1]
+    for a, b in zip(plain.logits, overlapped.logits):
+        assert torch.equal(a, b)
