@@ -199,32 +199,41 @@ def test_patchify_on_cuda_is_bitwise_equal_to_cpu():
 @gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_compiled_fused_layers_match_module_path_cuda(tiny_export, dtype):
-    """torch.compile'd whole-layer functions (inductor, Triton) vs the module path on CUDA:
-    one-shot, then a prefix continued by a batch of suffixes."""
+    """torch.compile'd whole-layer functions (inductor, Triton, fla-core) vs the module path on
+    CUDA: one-shot, then a prefix continued by a batch of suffixes."""
     from valen_runtime.fast import enable_fast_paths
     from valen_runtime.weights import load_model
 
     reference = load_model(tiny_export["separate"], device="cuda", dtype=dtype).text
     fused = load_model(tiny_export["separate"], device="cuda", dtype=dtype).text
     assert enable_fast_paths(fused, dtype=fused.embed_tokens.weight.dtype, compile=True)["layers"] == "fused, torch.compile"
+    models = [reference, fused]
+    if dtype == "bf16":  # the fp32 module path is the yardstick both bf16 paths are measured against
+        models.append(load_model(tiny_export["separate"], device="cuda", dtype="fp32").text)
     gen = torch.Generator().manual_seed(4)
-    H, wdtype = reference.config.hidden_size, reference.embed_tokens.weight.dtype
-    prefix = torch.randn(1, 64, H, generator=gen).to("cuda", wdtype)
-    tails = torch.randn(3, 21, H, generator=gen).to("cuda", wdtype)
+    H = reference.config.hidden_size
+    prefix = torch.randn(1, 64, H, generator=gen).to("cuda", reference.embed_tokens.weight.dtype)
+    tails = torch.randn(3, 21, H, generator=gen).to("cuda", reference.embed_tokens.weight.dtype)
     pos = lambda b, start, n: torch.arange(start, start + n, device="cuda").view(1, 1, -1).expand(3, b, -1).contiguous()  # noqa: E731
     with torch.no_grad():
         outs = []
-        for model in (reference, fused):
-            cache = model.new_cache()
-            outs.append((model(prefix, pos(1, 0, 64), cache), model(tails, pos(3, 64, 21), cache.expand(3))))
-    for got, want in zip(outs[1], outs[0]):
-        diff = (got.float() - want.float()).abs()
-        # fp32: summation order only (TF32 off), same bound as the CPU test; bf16: inductor keeps
-        # eager's intermediate roundings (emulate_precision_casts), so a few ulps drift per layer.
-        if dtype == "fp32":
-            assert diff.max() <= 1e-4 * want.float().abs().max() + 5e-5, diff.max()
+        for model in models:
+            cache, wdtype = model.new_cache(), model.embed_tokens.weight.dtype
+            head = model(prefix.to(wdtype), pos(1, 0, 64), cache)
+            outs.append([head.float(), model(tails.to(wdtype), pos(3, 64, 21), cache.expand(3)).float()])
+    for i in range(2):
+        want, got = outs[0][i], outs[1][i]
+        if dtype == "fp32":  # summation order only (TF32 off), same bound as the CPU test
+            diff = (got - want).abs()
+            assert diff.max() <= 1e-4 * want.abs().max() + 5e-5, diff.max()
         else:
-            assert diff.mean() < 0.02 and diff.max() < 0.25, (diff.mean(), diff.max())
+            # Two bf16 computations differ by their rounding (fla-core's delta rule keeps fp32
+            # inside, the PyTorch rule rounds to bf16 between steps), so each is measured against
+            # fp32: the fast path must be about as accurate as the reference-shaped one.
+            truth = outs[2][i]
+            err_ref, err_fast = (want - truth).abs(), (got - truth).abs()
+            assert err_fast.mean() <= 1.5 * err_ref.mean() + 1e-3, (err_fast.mean(), err_ref.mean())
+            assert err_fast.max() <= 2 * err_ref.max() + 1e-2, (err_fast.max(), err_ref.max())
 
 
 @pytest.mark.parametrize("dtype, atol", [("fp32", 2e-5), ("bf16", 0.15)])
