@@ -4,7 +4,7 @@
 # Steps (STEPS="tests latency parity" by default; "profile" runs benchmarks/profile_fast.py; each bounded so the call ends inside its 10-minute limit and writes what it has):
 #   1. install the carried pinned stack into /tmp/site and fla-core into /tmp/site-fla (the
 #      reference's process drops the latter from PYTHONPATH and blocks the import),
-#   2. the gpu-marked tests (fast paths vs reference paths),
+#   2. the gpu-marked tests (fast paths vs reference paths; TESTS_ARGS adds pytest options, e.g. -k NAME),
 #   3. benchmarks/latency.py on the 2b preset (reference path vs runtime modes, one run; LATENCY_ARGS adds options, e.g. --skip-reference --only graphs),
 #   4. valen-parity on the 2b preset: bf16 per-branch and shared-prefix, fp32 per-branch, both LoRA modes.
 set -uo pipefail
@@ -59,7 +59,7 @@ PY
   done
 fi
 if [[ " $STEPS " == *" tests "* ]]; then
-  timeout $(cap ${TESTS_TIMEOUT:-300}) python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/test_fast.py > "$OUT/gpu-tests.log" 2>&1
+  timeout $(cap ${TESTS_TIMEOUT:-300}) python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/test_fast.py ${TESTS_ARGS:-} > "$OUT/gpu-tests.log" 2>&1
   tail -3 "$OUT/gpu-tests.log"
 fi
 
