@@ -186,6 +186,18 @@ def test_graph_replay_is_bitwise_equal_to_direct_execution(tiny_export):
     assert len(graphed.graphs) == captured  # the same shapes replay, nothing new is captured
 
 
+@pytest.mark.parametrize("allow_tf32", [True, False])
+def test_patch_gemm_only_where_it_computes_what_the_conv_does(monkeypatch, allow_tf32):
+    # cuDNN runs fp32 convolutions in TF32 unless told not to (the reference keeps torch's
+    # default); our GEMMs never do. Every other combination has the conv's exact products.
+    from valen_runtime.fast import patch_gemm_matches_conv
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow_tf32)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert patch_gemm_matches_conv(torch.float32, cuda) is (not allow_tf32)
+    assert patch_gemm_matches_conv(torch.bfloat16, cuda) and patch_gemm_matches_conv(torch.float32, cpu)
+
+
 @gpu
 def test_patchify_on_cuda_is_bitwise_equal_to_cpu():
     from valen_runtime.image import ImageConfig, patchify
