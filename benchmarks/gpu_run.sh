@@ -36,8 +36,10 @@ fi
 
 if [[ " $STEPS " == *" parity "* ]]; then
   FX="$WORK/fixture-2b"
-  # The 2b fixture and both exports (latency.py builds them too); each only when missing.
-  python3 - "$WORK" <<'PY'
+  # The 2b fixture and the exports the specs name (latency.py builds them too); each only when missing.
+  # PARITY_SPECS: LORA:DTYPE:MODE ...; PARITY_CASE: one case group (default all).
+  SPECS=${PARITY_SPECS:-"separate:bf16:per-branch separate:bf16:shared-prefix merged:bf16:per-branch separate:fp32:per-branch"}
+  python3 - "$WORK" "$(for s in $SPECS; do echo "${s%%:*}"; done | sort -u | tr '\n' ' ')" <<'PY'
 import sys
 from pathlib import Path
 from valen_export.export import export
@@ -45,16 +47,16 @@ from valen_export.fixture import build_fixture
 work = Path(sys.argv[1]); fx = work / "fixture-2b"
 if not (fx / "pins.json").exists():
     build_fixture(fx, preset="2b", seed=0)
-for mode in ("separate", "merged"):
+for mode in sys.argv[2].split():
     if not (work / f"export-2b-{mode}" / "valen_export.json").exists():
         export(fx / "checkpoint", fx / "base", work / f"export-2b-{mode}", lora_mode=mode, pins_path=fx / "pins.json", progress=False)
 PY
-  for spec in ${PARITY_SPECS:-"separate:bf16:per-branch" "separate:bf16:shared-prefix" "merged:bf16:per-branch" "separate:fp32:per-branch"}; do
+  for spec in $SPECS; do
     set -- ${spec//:/ }
     [ "$(left)" -gt 40 ] || { echo "parity $spec: skipped (time)"; continue; }
     # ~70 s of a fresh process go to torch.compile and FLA autotuning before the first case.
     timeout $(cap ${PARITY_TIMEOUT:-300}) python3 -m parity.cli --export "$WORK/export-2b-$1" --checkpoint "$FX/checkpoint" --base "$FX/base" --pins "$FX/pins.json" \
-      --case all --device cuda --dtype "$2" --mode "$3" --report "$OUT/parity-$1-$2-$3.json" > "$OUT/parity-$1-$2-$3.log" 2>&1
+      --case "${PARITY_CASE:-all}" --device cuda --dtype "$2" --mode "$3" --report "$OUT/parity-$1-$2-$3.json" > "$OUT/parity-$1-$2-$3.log" 2>&1
     echo "parity $spec: exit $?"; tail -4 "$OUT/parity-$1-$2-$3.log"
   done
 fi
