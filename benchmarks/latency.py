@@ -5,7 +5,11 @@ measures per request (compile + vision + text + head + answers, CUDA-synchronise
 - reference: pinned transformers 5.4.0 + PEFT unmerged, eager, one forward per branch, in its own
   process with flash-linear-attention blocked (benchmarks/reference_latency.py);
 - runtime per-branch (pure PyTorch, reference-shaped);
-- runtime shared-prefix: PyTorch kernels / fast kernels (FLA + SDPA) / fast kernels + CUDA graphs.
+- runtime shared-prefix: PyTorch kernels / fast kernels (FLA + SDPA) / fast kernels + CUDA graphs,
+  the merged-LoRA export, packed branches, and the vision tower queued after the request compile
+  (A/B for Engine.run's overlap).
+`--only TEXT` keeps the configurations whose label contains TEXT, `--skip-reference` drops the
+reference process (for A/B runs; the speed-ups need it).
 Reports median and p90, speed-up over the reference, the physical floor estimate and the ratio,
 and the fast mode's max |Δp| and decision agreement against the reference. Not a test.
 
@@ -133,6 +137,8 @@ def main() -> None:
         ("shared-prefix (fast kernels)", dict(mode="shared-prefix", kernels="fast", graphs=False)),
         ("shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True)),
         ("merged LoRA: shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True, merged=True)),
+        # A/B for Engine.run's overlap: the vision tower queued only after the whole request compile.
+        ("shared-prefix (fast + CUDA graphs, vision after compile)", dict(mode="shared-prefix", kernels="fast", graphs=True, overlap_vision=False)),
         # Opt-in: branches packed varlen in one row (no padding rows); not the default until measured.
         ("shared-prefix (fast + CUDA graphs, packed branches)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True)),
         ("merged LoRA: shared-prefix (fast + CUDA graphs, packed branches)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True, merged=True)),
@@ -156,8 +162,11 @@ def main() -> None:
     for label, kw in configs:
         kw = dict(kw)
         key = kw["kernels"] + ("-merged" if kw.pop("merged", False) else "")
+        overlap = kw.pop("overlap_vision", None)
         try:
             engines[label] = Engine(models[key], compiler, **kw)
+            if overlap is not None:
+                engines[label].overlap_vision = overlap
         except ValueError as e:  # e.g. packing without FLA: recorded per request below
             print(f"{label}: not available: {e}", file=sys.stderr, flush=True)
     for name, req in reqs.items():

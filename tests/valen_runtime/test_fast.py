@@ -208,17 +208,32 @@ def test_patchify_on_cuda_is_bitwise_equal_to_cpu():
     assert torch.equal(patchify(batch.cuda(), config).pixel_values.cpu(), patchify(batch, config).pixel_values)
 
 
+# On the H200 (2026-11-30), against the fp32 module path, the suffix batch's max error was 2.35
+# for the compiled fused layers and 0.64 for the module path (this test). A variant whose fp32 run
+# saw unrounded inputs gave 2.32 compiled with the PyTorch delta rule, 0.57 eager with fla-core and
+# 0.55 for the module path: the loss comes from inductor on CUDA, not fla-core, and only on the
+# cached continuation (the one-shot prefix is as accurate compiled as eager). Inductor's C++
+# backend on the CPU matches the module path. Open; the 2b parity run stayed inside its gates.
+COMPILED_BF16_CONTINUATION = pytest.mark.xfail(
+    strict=True, reason="compiled fused layers on CUDA lose bf16 accuracy on cached continuations (docs/parity.md)"
+)
+
+
 @gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_compiled_fused_layers_match_module_path_cuda(tiny_export, dtype):
-    """torch.compile'd whole-layer functions (inductor, Triton, fla-core) vs the module path on
-    CUDA: one-shot, then a prefix continued by a batch of suffixes."""
+@pytest.mark.parametrize(
+    "dtype, compile",
+    [("fp32", True), ("bf16", False), pytest.param("bf16", True, marks=COMPILED_BF16_CONTINUATION)],
+)
+def test_fused_layers_match_module_path_cuda(tiny_export, dtype, compile):
+    """Whole-layer functions (eager, or torch.compile'd: inductor, Triton; fla-core in bf16) vs the
+    module path on CUDA: one-shot, then a prefix continued by a batch of suffixes."""
     from valen_runtime.fast import enable_fast_paths
     from valen_runtime.weights import load_model
 
     reference = load_model(tiny_export["separate"], device="cuda", dtype=dtype).text
     fused = load_model(tiny_export["separate"], device="cuda", dtype=dtype).text
-    assert enable_fast_paths(fused, dtype=fused.embed_tokens.weight.dtype, compile=True)["layers"] == "fused, torch.compile"
+    layers = enable_fast_paths(fused, dtype=fused.embed_tokens.weight.dtype, compile=compile)["layers"]
+    assert layers == ("fused, torch.compile" if compile else "fused, eager")
     models = [reference, fused]
     if dtype == "bf16":  # the fp32 module path is the yardstick both bf16 paths are measured against
         models.append(load_model(tiny_export["separate"], device="cuda", dtype="fp32").text)
@@ -239,14 +254,12 @@ def test_compiled_fused_layers_match_module_path_cuda(tiny_export, dtype):
             diff = (got - want).abs()
             assert diff.max() <= 1e-4 * want.abs().max() + 5e-5, diff.max()
         else:
-            # Two bf16 computations differ by their rounding, so each is measured against fp32.
-            # The PyTorch delta rule runs in fp32 throughout; fla-core keeps its chunk
-            # intermediates in bf16, which on the H200 made the fast path's mean error 1.7x the
-            # module path's (0.041 vs 0.024). A wrong op would be off by the activations' size (~1).
+            # Two bf16 computations differ by their rounding, so each is measured against fp32:
+            # the fast path must be about as accurate as the reference-shaped one.
             truth = outs[2][i]
             err_ref, err_fast = (want - truth).abs(), (got - truth).abs()
-            assert err_fast.mean() <= 2 * err_ref.mean() + 1e-3, (i, err_fast.mean(), err_ref.mean())
-            assert err_fast.max() <= 3 * err_ref.max() + 1e-2, (i, err_fast.max(), err_ref.max())
+            assert err_fast.mean() <= 1.5 * err_ref.mean() + 1e-3, (i, err_fast.mean(), err_ref.mean())
+            assert err_fast.max() <= 2 * err_ref.max() + 1e-2, (i, err_fast.max(), err_ref.max())
 
 
 @pytest.mark.parametrize("dtype, atol", [("fp32", 2e-5), ("bf16", 0.15)])
