@@ -68,28 +68,40 @@ class RefPrompt:
     media: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        b = self.base
-        return {
-            "input_ids": b["input_ids"][0].tolist(),
-            "mm_token_type_ids": b["mm_token_type_ids"][0].tolist() if "mm_token_type_ids" in b else None,
-            "image_grid_thw": b["image_grid_thw"].tolist() if "image_grid_thw" in b else None,
-            "questions": [
-                {
-                    "qid": q.qid,
-                    "kind": q.kind,
-                    "keys": q.keys,
-                    "descriptions": q.descriptions,
-                    "branches": [
-                        {"suffix_ids": br.suffix_ids, "candidate_positions": br.candidate_positions, "decision_position": br.decision_position}
-                        for br in q.branches
-                    ],
-                }
-                for q in self.questions
-            ],
-            "logical_tokens": self.logical_tokens,
-            "compute_tokens": self.compute_tokens,
-            "media": self.media,
-        }
+        questions = [
+            question_json(q.qid, q.kind, q.keys, q.descriptions,
+                          [(br.suffix_ids, br.candidate_positions, br.decision_position) for br in q.branches])
+            for q in self.questions
+        ]
+        return prompt_json(self.base, questions, self.logical_tokens, self.compute_tokens, self.media)
+
+
+def question_json(qid: str, kind: str, keys, descriptions, branches) -> dict:
+    """One question of the prompt record; branches: (suffix ids, candidate positions, decision position)."""
+    return {
+        "qid": qid,
+        "kind": kind,
+        "keys": list(keys),
+        "descriptions": list(descriptions),
+        "branches": [
+            {"suffix_ids": list(ids), "candidate_positions": list(cands), "decision_position": int(decision)}
+            for ids, cands, decision in branches
+        ],
+    }
+
+
+def prompt_json(base: dict, questions: list[dict], logical_tokens: int, compute_tokens: int, media: list[dict]) -> dict:
+    """The prompt record every reference source produces (rebuilt here, or Valen's own compiler), so
+    the harness compares one schema. base: the processor's output for the state."""
+    return {
+        "input_ids": base["input_ids"][0].tolist(),
+        "mm_token_type_ids": base["mm_token_type_ids"][0].tolist() if "mm_token_type_ids" in base else None,
+        "image_grid_thw": base["image_grid_thw"].tolist() if "image_grid_thw" in base else None,
+        "questions": questions,
+        "logical_tokens": int(logical_tokens),
+        "compute_tokens": int(compute_tokens),
+        "media": media,
+    }
 
 
 # ---------------------------------------------------------------- wire request -> record

@@ -70,32 +70,16 @@ class _Prompt:
             self.base["mm_token_type_ids"] = first["mm_token_type_ids"][:, : self.B]
 
     def to_json(self) -> dict:
-        b = self.base
-        return {
-            "input_ids": b["input_ids"][0].tolist(),
-            "mm_token_type_ids": b["mm_token_type_ids"][0].tolist() if "mm_token_type_ids" in b else None,
-            "image_grid_thw": b["image_grid_thw"].tolist() if "image_grid_thw" in b else None,
-            "questions": [
-                {
-                    "qid": q.qid,
-                    "kind": q.kind,
-                    "keys": list(q.keys),
-                    "descriptions": list(q.descriptions),
-                    "branches": [
-                        {
-                            "suffix_ids": br.inputs["input_ids"][0, self.B :].tolist(),
-                            "candidate_positions": list(br.candidate_positions),
-                            "decision_position": int(br.decision_position),
-                        }
-                        for br in q.branches
-                    ],
-                }
-                for q in self.questions
-            ],
-            "logical_tokens": int(self.compiled.logical_tokens),
-            "compute_tokens": int(self.compiled.compute_tokens),
-            "media": [{k: v for k, v in m.items() if k != "sampling"} for m in self.compiled.media],
-        }
+        from .prompt import prompt_json, question_json
+
+        questions = [
+            question_json(q.qid, q.kind, q.keys, q.descriptions,
+                          [(br.inputs["input_ids"][0, self.B :].tolist(), br.candidate_positions, br.decision_position)
+                           for br in q.branches])
+            for q in self.questions
+        ]
+        media = [{k: v for k, v in m.items() if k != "sampling"} for m in self.compiled.media]
+        return prompt_json(self.base, questions, self.compiled.logical_tokens, self.compiled.compute_tokens, media)
 
 
 class _Builder:

@@ -147,3 +147,39 @@ def test_valen_source_refusals(tmp_path):
     assert "not the pinned Valen commit 750bfcfbb48a5275534a9c912257ebe83ca57a97" in str(e.value)
     with pytest.raises(valen_source.ValenSourceError, match="not the pinned"):
         valen_source.ValenSource(repo)
+
+
+# ---------------------------------------------------------------- one prompt record for both reference sources
+
+
+def test_valen_source_prompt_record_equals_the_rebuilt_one():
+    # Valen's own compiler keeps whole branch inputs (state + suffix); the rebuilt compiler keeps
+    # the state once and suffix ids. The same prompt must give the same record either way.
+    from types import SimpleNamespace
+
+    import torch
+
+    im_start = 7
+    state = [1, 2, 3, 4]
+    suffixes = [[im_start, 10, 11], [im_start, 12]]
+    media = [{"kind": "image", "sha256": "ab"}]
+    base = {"input_ids": torch.tensor([state]), "mm_token_type_ids": torch.tensor([[0, 1, 1, 0]]),
+            "image_grid_thw": torch.tensor([[1, 2, 4]])}
+    ref = prompt.RefPrompt(
+        base=base,
+        questions=[prompt.RefQuestion("q", "choice", ["a", "b"], ["A", "B"],
+                                      [prompt.RefBranch(s, [len(state) + 1], len(state) + len(s) - 1) for s in suffixes])],
+        logical_tokens=len(state) + 5, compute_tokens=2 * len(state) + 5, media=media,
+    )
+    branches = [
+        SimpleNamespace(inputs={"input_ids": torch.tensor([state + s]), "mm_token_type_ids": torch.tensor([[0, 1, 1, 0] + [0] * len(s)]),
+                                "image_grid_thw": torch.tensor([[1, 2, 4]])},
+                        candidate_positions=(len(state) + 1,), decision_position=len(state) + len(s) - 1)
+        for s in suffixes
+    ]
+    compiled = SimpleNamespace(
+        questions=[SimpleNamespace(qid="q", kind="choice", keys=("a", "b"), descriptions=("A", "B"), branches=branches)],
+        logical_tokens=len(state) + 5, compute_tokens=2 * len(state) + 5,
+        media=[dict(media[0], sampling={"fps": 2})],  # Valen's sampling note is not part of the record
+    )
+    assert valen_source._Prompt(compiled, im_start).to_json() == ref.to_json()
