@@ -7,10 +7,13 @@
 - `sdpa_attention`: PyTorch's scaled_dot_product_attention with the same signature as
   `qwen35.eager_attention` (GQA handled by the kernel).
 - `FusedProjection`: projections that read the same input (GDN qkv/z/b/a, attention q/k/v, MLP
-  gate/up) as one GEMM, and their FP32 LoRA adapters as one A GEMM and one block-diagonal B GEMM
-  (scale folded into B).
+  gate/up) as one GEMM, and their FP32 LoRA adapters as one A GEMM and one grouped B GEMM
+  (`fused_layers.project`; scale folded into B).
+- `enable_fused_layers` (fused_layers.py): every decoder layer as one torch.compile'd function.
 - `compile_elementwise`: the norm and gate chains as torch.compile'd kernels (one launch each
-  instead of ~8).
+  instead of ~8) where the module path still runs them (with fused layers: the final norm).
+- `compiled_vision_block`, `patch_gemm_matches_conv`: the vision blocks compiled, and the patch
+  conv as one GEMM where that computes the same numbers.
 - `GraphCache`: captures a forward once per input-shape key and replays it, so a warm request
   launches one graph instead of thousands of kernels.
 Nothing here changes what is computed; valen-parity measures the rounding difference under its
@@ -161,9 +164,11 @@ class _CompiledOr:
         return self.fn(*args)
 
 
-def compile_elementwise(text_model) -> dict:
+def compile_elementwise(text_model, final_norm_only: bool = False) -> dict:
+    """Compiled norm / gate functions at the modules' seams; final_norm_only when fused layers run
+    everything else (their own compiled functions bypass these seams)."""
     fns = {name: _CompiledOr(getattr(qwen35, name)) for name in ("rms_norm", "rms_norm_gated", "decay_and_beta")}
-    for module in text_model.modules():
+    for module in [text_model.norm] if final_norm_only else text_model.modules():
         if isinstance(module, qwen35.RMSNorm):
             module.norm_fn = fns["rms_norm"]
         elif isinstance(module, qwen35.RMSNormGated):
@@ -231,8 +236,8 @@ def enable_fast_paths(
         else:
             enabled["patch_embed"] = "conv (cuDNN, TF32 as in the reference)"
     if compile:
-        compile_elementwise(text_model)
-        enabled["elementwise"] = "torch.compile"
+        compile_elementwise(text_model, final_norm_only=fuse_layers)
+        enabled["elementwise"] = "torch.compile (final norm)" if fuse_layers else "torch.compile"
         if vision_model is not None:
             vision_model.run_block = compiled_vision_block()
             enabled["vision_blocks"] = "torch.compile"

@@ -302,3 +302,19 @@ def test_compiled_packed_branches_cpu(tiny_export):
     for request in (REQUEST, REQUEST_IMAGE_LONG, REQUEST):
         for a, b in zip(eager.run(request).logits, compiled.run(request).logits):
             assert (a - b).abs().max().item() <= 2e-5, (a, b)
+
+
+def test_with_fused_layers_only_the_final_norm_gets_a_compiled_norm(tiny_export):
+    # The fused layer functions bypass the modules' norm seams, so compiled norms there would be
+    # dead weight; the final norm still runs through its module.
+    from valen_runtime import qwen35
+    from valen_runtime.fast import enable_fast_paths
+    from valen_runtime.weights import load_model
+
+    fused = load_model(tiny_export["separate"], device="cpu", dtype="fp32").text
+    assert enable_fast_paths(fused, dtype=torch.float32, compile=True)["elementwise"] == "torch.compile (final norm)"
+    assert fused.norm.norm_fn is not qwen35.rms_norm
+    assert all(layer.input_layernorm.norm_fn is qwen35.rms_norm for layer in fused.layers)
+    modules = load_model(tiny_export["separate"], device="cpu", dtype="fp32").text
+    enable_fast_paths(modules, dtype=torch.float32, compile=True, fuse_layers=False)
+    assert all(layer.input_layernorm.norm_fn is not qwen35.rms_norm for layer in modules.layers)
