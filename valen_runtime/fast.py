@@ -205,9 +205,14 @@ def patch_gemm_matches_conv(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def enable_fast_paths(
-    text_model, vision_model=None, dtype: torch.dtype = torch.bfloat16, compile: bool = True, fuse_layers: bool = True
+    text_model, vision_model=None, dtype: torch.dtype = torch.bfloat16, compile: bool = True, fuse_layers: bool = True,
+    fused_attention: str = "sdpa",
 ) -> dict:
     """Swap the CUDA kernels in at the model's seams; returns what was enabled (for reports).
+
+    fused_attention: the fused layers' attention core, "sdpa" or "eager" (the reference's
+    formula, bf16 scores and an fp32 softmax, left to inductor to fuse; for diagnosing the
+    compiled bf16 continuation's accuracy, docs/parity.md).
 
     fuse_layers routes every decoder layer through fused_layers' whole-layer functions, compiled
     (with the norms and the vision blocks) when compile=True; eager they compute the same thing
@@ -244,8 +249,13 @@ def enable_fast_paths(
     if fuse_layers:
         if use_fla:
             register_delta_rule("fla", fla_chunk_gated_delta_rule, varlen=fla_varlen_gated_delta_rule)
-        enable_fused_layers(text_model, sdpa_attention, "fla" if use_fla else "torch", compile=compile)
+        cores = {"sdpa": sdpa_attention, "eager": qwen35.eager_attention}
+        if fused_attention not in cores:
+            raise ValueError(f"fused_attention {fused_attention!r} is not one of {sorted(cores)}")
+        enable_fused_layers(text_model, cores[fused_attention], "fla" if use_fla else "torch", compile=compile)
         enabled["layers"] = "fused, torch.compile" if compile else "fused, eager"
+        if fused_attention != "sdpa":
+            enabled["attention"] = f"{fused_attention} (fused layers)"
     return enabled
 
 

@@ -26,10 +26,10 @@ def _no_grad():
         yield
 
 
-def pair(export_dir, dtype: str, compile: bool = False):
+def pair(export_dir, dtype: str, compile: bool = False, attention: str = "sdpa"):
     reference = load_model(export_dir, dtype=dtype)
     fused = load_model(export_dir, dtype=dtype)
-    enabled = enable_fast_paths(fused.text, dtype=fused.dtype, compile=compile, fuse_layers=True)
+    enabled = enable_fast_paths(fused.text, dtype=fused.dtype, compile=compile, fuse_layers=True, fused_attention=attention)
     assert enabled["layers"].startswith("fused")
     assert all(layer.fused_forward is not None for layer in fused.text.layers)
     return reference.text, fused.text
@@ -65,9 +65,10 @@ def test_one_shot_forward_matches_module_path(tiny_export, mode, dtype):
     close(fused(embeds, pos), reference(embeds, pos), dtype)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_prefix_then_batched_suffixes_match_module_path(tiny_export, dtype):
-    reference, fused = pair(tiny_export["separate"], dtype)
+def test_prefix_then_batched_suffixes_match_module_path(tiny_export, dtype, attention):
+    reference, fused = pair(tiny_export["separate"], dtype, attention=attention)
     prefix, prefix_pos = inputs(reference, 1, 64, 0, seed=2)
     tails, tails_pos = inputs(reference, 3, 21, 64, seed=3)
     outs = []
