@@ -6,8 +6,8 @@ measures per request (compile + vision + text + head + answers, CUDA-synchronise
   process with flash-linear-attention blocked (benchmarks/reference_latency.py);
 - runtime per-branch (pure PyTorch, reference-shaped);
 - runtime shared-prefix: PyTorch kernels / fast kernels (FLA + SDPA) / fast kernels + CUDA graphs,
-  the merged-LoRA export, packed branches, and the vision tower queued after the request compile
-  (A/B for Engine.run's overlap).
+  the merged-LoRA export, packed branches, the prefix cut at the state's end rather than on a
+  chunk boundary, and the vision tower queued after the request compile (A/Bs).
 `--only TEXT` keeps the configurations whose label contains TEXT, `--skip-reference` drops the
 reference process (for A/B runs; the speed-ups need it).
 Reports median and p90, speed-up over the reference, the physical floor estimate and the ratio,
@@ -137,6 +137,10 @@ def main() -> None:
         ("shared-prefix (fast kernels)", dict(mode="shared-prefix", kernels="fast", graphs=False)),
         ("shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True)),
         ("merged LoRA: shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True, merged=True)),
+        # A/B: the shared prefix cut at the state's end instead of the last 64-token chunk boundary
+        # (no state tail re-run per branch: branch rows (a) 840 -> 560, (c) 2016 -> 1568; but (b) becomes
+        # two passes instead of one; the delta rule's chunks no longer fall where the reference's do).
+        ("shared-prefix (fast + CUDA graphs, prefix not chunk-aligned)", dict(mode="shared-prefix", kernels="fast", graphs=True, align_prefix=False)),
         # A/B for Engine.run's overlap: the vision tower queued only after the whole request compile.
         ("shared-prefix (fast + CUDA graphs, vision after compile)", dict(mode="shared-prefix", kernels="fast", graphs=True, overlap_vision=False)),
         # Opt-in: branches packed varlen in one row (no padding rows); not the default until measured.
