@@ -1,0 +1,114 @@
+"""Where do compiled fused layers lose bf16 accuracy on cached continuations? (docs/parity.md)
+
+Runs the inputs of tests/valen_runtime/test_fast.py::test_fused_layers_match_module_path_cuda
+(a 64-token prefix, then 3 x 21 suffix tokens on the expanded cache) through variants of the fused
+layers, each measured against the fp32 module path: the module path in bf16, the fused layers
+eager, everything compiled, only the GDN or only the attention layers compiled, compiled with the
+reference's attention formula instead of SDPA, and compiled with a contiguous (not expanded)
+cache. Prints one line per variant (mean / max error of the prefix and of the continuation) and
+writes them as JSON. A diagnosis tool, not a test.
+
+    python benchmarks/probe_compiled_accuracy.py --out probe.json            # CUDA
+    python benchmarks/probe_compiled_accuracy.py --device cpu --out probe.json  # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def build_export(work: Path) -> Path:
+    from valen_export.export import export
+    from valen_export.fixture import build_fixture
+
+    fx, out = work / "fixture-tiny", work / "export-tiny-separate"
+    if not (fx / "pins.json").exists():
+        build_fixture(fx, preset="tiny", seed=0)
+    if not (out / "valen_export.json").exists():
+        export(fx / "checkpoint", fx / "base", out, lora_mode="separate", pins_path=fx / "pins.json", progress=False)
+    return out
+
+
+def fused_variant(export_dir: Path, device: str, compile_gdn: bool, compile_attention: bool, attention: str):
+    """Fused layers with each layer kind compiled or not (enable_fused_layers compiles both or neither)."""
+    from valen_runtime import qwen35
+    from valen_runtime.fast import enable_fast_paths, sdpa_attention
+    from valen_runtime.fused_layers import make_layer_fns
+    from valen_runtime.weights import load_model
+
+    text = load_model(export_dir, device=device, dtype="bf16").text
+    enabled = enable_fast_paths(text, dtype=torch.bfloat16, compile=False, fused_attention=attention)
+    core = sdpa_attention if attention == "sdpa" else qwen35.eager_attention
+    impl = "fla" if str(enabled["gated_delta"]).startswith("fla") else "torch"
+    gdn, att, _ = make_layer_fns(text.config, core, impl)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    options = {"emulate_precision_casts": True}  # as enable_fused_layers
+    if compile_gdn:
+        gdn = torch.compile(gdn, fullgraph=True, options=options)
+    if compile_attention:
+        att = torch.compile(att, fullgraph=True, options=options)
+    for layer in text.layers:
+        layer.fused_forward.fn = gdn if layer.layer_type == "linear_attention" else att
+    return text
+
+
+def run(model, prefix, tails, device, contiguous_cache: bool = False):
+    def pos(b, start, n):
+        return torch.arange(start, start + n, device=device).view(1, 1, -1).expand(3, b, -1).contiguous()
+
+    w = model.embed_tokens.weight.dtype
+    cache = model.new_cache()
+    with torch.no_grad():
+        head = model(prefix.to(device, w), pos(1, 0, 64), cache)
+        cont = cache.expand(3).clone() if contiguous_cache else cache.expand(3)
+        tail = model(tails.to(device, w), pos(3, 64, 21), cont)
+    return head.float(), tail.float()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--work", type=Path, default=None, help="where the tiny fixture and export go (default: a temporary folder)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    from valen_runtime.weights import load_model
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="valen-probe-"))
+    export_dir = build_export(work)
+    gen = torch.Generator().manual_seed(4)
+    H = load_model(export_dir, device="cpu", dtype="bf16").text.config.hidden_size
+    # As the test: bf16 inputs, the fp32 run sees the same (rounded) values.
+    prefix = torch.randn(1, 64, H, generator=gen).to(torch.bfloat16)
+    tails = torch.randn(3, 21, H, generator=gen).to(torch.bfloat16)
+    truth = run(load_model(export_dir, device=args.device, dtype="fp32").text, prefix, tails, args.device)
+
+    variants = {
+        "module path": lambda: (load_model(export_dir, device=args.device, dtype="bf16").text, False),
+        "fused, eager": lambda: (fused_variant(export_dir, args.device, False, False, "sdpa"), False),
+        "fused, all compiled": lambda: (fused_variant(export_dir, args.device, True, True, "sdpa"), False),
+        "fused, GDN layers compiled": lambda: (fused_variant(export_dir, args.device, True, False, "sdpa"), False),
+        "fused, attention layers compiled": lambda: (fused_variant(export_dir, args.device, False, True, "sdpa"), False),
+        "fused, all compiled, eager attention formula": lambda: (fused_variant(export_dir, args.device, True, True, "eager"), False),
+        "fused, all compiled, contiguous cache": lambda: (fused_variant(export_dir, args.device, True, True, "sdpa"), True),
+    }
+    report = {"device": args.device, "torch": torch.__version__, "variants": {}}
+    for name, make in variants.items():
+        model, contiguous = make()
+        got = run(model, prefix, tails, args.device, contiguous_cache=contiguous)
+        row = {}
+        for part, g, t in zip(("prefix", "continuation"), got, truth):
+            err = (g - t).abs()
+            row[part] = {"mean": err.mean().item(), "max": err.max().item()}
+        report["variants"][name] = row
+        print(f"{name:46s} prefix {row['prefix']['mean']:.4f} / {row['prefix']['max']:.3f}   "
+              f"continuation {row['continuation']['mean']:.4f} / {row['continuation']['max']:.3f}", flush=True)
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
