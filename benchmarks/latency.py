@@ -7,7 +7,8 @@ measures per request (compile + vision + text + head + answers, CUDA-synchronise
 - runtime per-branch (pure PyTorch, reference-shaped);
 - runtime shared-prefix: PyTorch kernels / fast kernels (FLA + SDPA) / fast kernels + CUDA graphs,
   the merged-LoRA export, packed branches, the prefix cut at the state's end rather than on a
-  chunk boundary, and the vision tower queued after the request compile (A/Bs).
+  chunk boundary, the FP32 LoRA as bf16x3 splits on tensor cores, and the vision tower queued
+  after the request compile (A/Bs).
 `--only TEXT` keeps the configurations whose label contains TEXT, `--skip-reference` drops the
 reference process (for A/B runs; the speed-ups need it).
 Reports median and p90, speed-up over the reference, the physical floor estimate and the ratio,
@@ -141,6 +142,8 @@ def main() -> None:
         # (no state tail re-run per branch: branch rows (a) 840 -> 560, (c) 2016 -> 1568; but (b) becomes
         # two passes instead of one; the delta rule's chunks no longer fall where the reference's do).
         ("shared-prefix (fast + CUDA graphs, prefix not chunk-aligned)", dict(mode="shared-prefix", kernels="fast", graphs=True, align_prefix=False)),
+        # A/B: the separate FP32 LoRA as exact bf16 splits on tensor cores (lora_gemm="bf16x3").
+        ("shared-prefix (fast + CUDA graphs, bf16x3 LoRA)", dict(mode="shared-prefix", kernels="fast", graphs=True, lora_gemm="bf16x3")),
         # A/B for Engine.run's overlap: the vision tower queued only after the whole request compile.
         ("shared-prefix (fast + CUDA graphs, vision after compile)", dict(mode="shared-prefix", kernels="fast", graphs=True, overlap_vision=False)),
         # Opt-in: branches packed varlen in one row (no padding rows); not the default until measured.
@@ -152,21 +155,23 @@ def main() -> None:
     if args.only:
         configs = [c for c in configs if any(t in c[0] for t in args.only)]
     from valen_runtime.compile import Compiler
+    from valen_runtime.manifest import Manifest
     from valen_runtime.weights import load_model
 
-    # One model per kernel choice (enable_fast_paths swaps the seams in place); one engine per
-    # configuration, reused across requests so its CUDA graphs are reused too.
-    models = {"torch": load_model(exp, device=args.device, dtype="bf16")}
-    if any(kw["kernels"] == "fast" for _, kw in configs):
-        models["fast"] = load_model(exp, device=args.device, dtype="bf16")
-        models["fast-merged"] = load_model(exp_merged, device=args.device, dtype="bf16")
-    prompt = models["torch"].manifest.data["prompt"]
+    prompt = Manifest.load(exp).data["prompt"]
     compiler = Compiler.from_dir(exp, max_length=prompt["max_length"], media_kwargs=prompt.get("media_kwargs") or {})
+
+    # One model per (export, kernels, LoRA GEMM) choice, since enable_fast_paths swaps the seams in
+    # place; one engine per configuration, reused across requests so its CUDA graphs are reused too.
+    models = {}
     engines = {}
     for label, kw in configs:
         kw = dict(kw)
-        key = kw["kernels"] + ("-merged" if kw.pop("merged", False) else "")
+        merged = kw.pop("merged", False)
         overlap = kw.pop("overlap_vision", None)
+        key = (kw["kernels"], merged, kw.get("lora_gemm", "fp32"))
+        if key not in models:
+            models[key] = load_model(exp_merged if merged else exp, device=args.device, dtype="bf16")
         try:
             engines[label] = Engine(models[key], compiler, **kw)
             if overlap is not None:

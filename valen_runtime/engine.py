@@ -84,6 +84,7 @@ class Engine:
         align_prefix: bool = True,
         compile: bool | None = None,
         pack: bool = False,
+        lora_gemm: str = "fp32",
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -104,7 +105,9 @@ class Engine:
             # torch.compile pays off for a long-lived engine on CUDA (the first request of a fresh
             # process compiles for about a minute); on the CPU the fused functions run eagerly.
             compile = model.device.type == "cuda" if compile is None else compile
-            self.kernels = enable_fast_paths(model.text, model.vision, dtype=model.dtype, compile=compile)
+            self.kernels = enable_fast_paths(model.text, model.vision, dtype=model.dtype, compile=compile, lora_gemm=lora_gemm)
+        elif lora_gemm != "fp32":
+            raise ValueError("lora_gemm other than fp32 needs kernels='fast'")
         # pack: the branches as varlen sequences in one row instead of a right-padded batch (no
         # padding rows; needs the fused layers; on CUDA with graphs, FLA's varlen kernel).
         self.pack = pack
@@ -135,6 +138,7 @@ class Engine:
         graphs: bool | None = None,
         compile: bool | None = None,
         pack: bool = False,
+        lora_gemm: str = "fp32",
     ) -> "Engine":
         """Load an export.
 
@@ -142,7 +146,8 @@ class Engine:
         torch.compile, flash-linear-attention when importable, SDPA) and CUDA graphs; on the CPU,
         per-branch mode with the pure-PyTorch path. Per-branch mode always runs the
         reference-faithful PyTorch path unless kernels="fast". compile=False keeps the fast path
-        eager (no minute-long first request; slower after it).
+        eager (no minute-long first request; slower after it). lora_gemm="bf16x3" runs the
+        separate FP32 LoRA on tensor cores as exact bf16 splits (opt-in, bf16 only; see fast.py).
         """
         model = load_model(export_dir, device=device, dtype=dtype, verify=verify)
         prompt = model.manifest.data["prompt"]
@@ -154,7 +159,8 @@ class Engine:
             kernels = "fast" if cuda and mode == "shared-prefix" else "torch"
         if graphs is None:
             graphs = cuda and mode == "shared-prefix"
-        return cls(model, compiler, mode=mode, temperature=temperature, kernels=kernels, graphs=graphs, compile=compile, pack=pack)
+        return cls(model, compiler, mode=mode, temperature=temperature, kernels=kernels, graphs=graphs, compile=compile, pack=pack,
+                   lora_gemm=lora_gemm)
 
     # ---- pieces -------------------------------------------------------------------------
 

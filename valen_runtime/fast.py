@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import qwen35
-from .fused_layers import enable_fused_layers, project, projection, register_delta_rule
+from .fused_layers import enable_fused_layers, project, projection, register_delta_rule, split_lora_factors
 from .gated_delta import l2norm
 
 log = logging.getLogger(__name__)
@@ -135,15 +135,20 @@ class FusedProjection(nn.Module):
         return list(project(x, self.projection).split(self.splits, dim=-1))
 
 
-def fuse_projections(text_model) -> None:
+def fuse_projections(text_model, split_lora: bool = False) -> None:
     for layer in text_model.layers:
         if hasattr(layer, "linear_attn"):
             gdn = layer.linear_attn
-            gdn.fused_in_proj = FusedProjection([gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a])
+            fused = [FusedProjection([gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a])]
+            gdn.fused_in_proj = fused[0]
         else:
             att = layer.self_attn
-            att.fused_qkv = FusedProjection([att.q_proj, att.k_proj, att.v_proj])
+            fused = [FusedProjection([att.q_proj, att.k_proj, att.v_proj])]
+            att.fused_qkv = fused[0]
         layer.mlp.fused_gate_up = FusedProjection([layer.mlp.gate_proj, layer.mlp.up_proj])
+        if split_lora:
+            for f in fused + [layer.mlp.fused_gate_up]:
+                f.projection = split_lora_factors(f.projection)
 
 
 class _CompiledOr:
@@ -206,13 +211,16 @@ def patch_gemm_matches_conv(dtype: torch.dtype, device: torch.device) -> bool:
 
 def enable_fast_paths(
     text_model, vision_model=None, dtype: torch.dtype = torch.bfloat16, compile: bool = True, fuse_layers: bool = True,
-    fused_attention: str = "sdpa",
+    fused_attention: str = "sdpa", lora_gemm: str = "fp32",
 ) -> dict:
     """Swap the CUDA kernels in at the model's seams; returns what was enabled (for reports).
 
     fused_attention: the fused layers' attention core, "sdpa" or "eager" (the reference's
     formula, bf16 scores and an fp32 softmax, left to inductor to fuse; for diagnosing the
     compiled bf16 continuation's accuracy, docs/parity.md).
+    lora_gemm: "fp32" (FP32 GEMMs, CUDA cores: TF32 stays off) or "bf16x3" (the same FP32 LoRA
+    as exact bf16 splits on tensor cores, fused_layers.split_lora_factors; bf16 models only;
+    opt-in until measured on the GPU).
 
     fuse_layers routes every decoder layer through fused_layers' whole-layer functions, compiled
     (with the norms and the vision blocks) when compile=True; eager they compute the same thing
@@ -229,7 +237,13 @@ def enable_fast_paths(
         if hasattr(layer, "self_attn"):
             layer.self_attn.attention_core = sdpa_attention
             enabled["attention"] = "sdpa"
-    fuse_projections(text_model)
+    if lora_gemm not in ("fp32", "bf16x3"):
+        raise ValueError(f"lora_gemm {lora_gemm!r} is not fp32 or bf16x3")
+    if lora_gemm == "bf16x3" and dtype != torch.bfloat16:
+        raise ValueError("lora_gemm='bf16x3' needs a bf16 model (its products are exact only for bf16 activations)")
+    fuse_projections(text_model, split_lora=lora_gemm == "bf16x3")
+    if lora_gemm == "bf16x3":
+        enabled["lora"] = "bf16x3 splits, tensor cores"
     if vision_model is not None:
         for block in vision_model.blocks:
             block.attn.attention_core = sdpa_vision_attention
@@ -252,7 +266,7 @@ def enable_fast_paths(
         cores = {"sdpa": sdpa_attention, "eager": qwen35.eager_attention}
         if fused_attention not in cores:
             raise ValueError(f"fused_attention {fused_attention!r} is not one of {sorted(cores)}")
-        enable_fused_layers(text_model, cores[fused_attention], "fla" if use_fla else "torch", compile=compile)
+        enable_fused_layers(text_model, cores[fused_attention], "fla" if use_fla else "torch", compile=compile, lora_gemm=lora_gemm)
         enabled["layers"] = "fused, torch.compile" if compile else "fused, eager"
         if fused_attention != "sdpa":
             enabled["attention"] = f"{fused_attention} (fused layers)"

@@ -106,6 +106,8 @@ def project(x: torch.Tensor, p: "Projection") -> torch.Tensor:
     out = F.linear(x, p.weight)
     if p.lora_a is None:
         return out
+    if p.lora_a.dtype != torch.float32:  # the factors as exact bf16 splits (split_lora_factors)
+        return (out + _split_lora_delta(x, p)).to(out.dtype)
     h = F.linear(x.float(), p.lora_a)  # [..., n*r]: every member's A(x)
     r = p.lora_b.shape[-1]
     lead = h.shape[:-1]
@@ -116,6 +118,87 @@ def project(x: torch.Tensor, p: "Projection") -> torch.Tensor:
         n_big = p.groups[-1] + 1
         delta = torch.cat([delta, F.linear(h[..., n_big * r :], p.lora_b_small)], dim=-1)
     return (out + delta).to(out.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The FP32 LoRA on bf16 tensor cores, without giving up fp32 (opt-in: lora_gemm="bf16x3")
+#
+# Every fp32 number is the exact sum of three bf16 numbers (8 + 8 + 8 significant bits, each
+# remainder at most half an ulp of the previous piece). A product of two bf16 numbers is exact in
+# fp32, so A(x) for bf16 x is a sum of exact products, and B(h) for the split h and B one of the
+# 8 of 9 pairs of pieces that reach fp32 precision; the tensor cores accumulate in fp32. The
+# result differs from fp32 GEMMs by fp32 roundings only: against fp64 on the CPU its max error
+# was 2.0e-7 where PEFT's fp32 GEMMs had 3.0e-7 (tests/valen_runtime/test_fused_layers.py).
+
+
+def split_bf16x3(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 t -> bf16 (t1, t2, t3) with t == (t1 + t2) + t3 exactly in fp32, for |t| in
+    [2^-100, 2^127) (smaller pieces would be subnormal; the top binade rounds to inf)."""
+    t1 = t.to(torch.bfloat16)
+    rest = t - t1.float()
+    t2 = rest.to(torch.bfloat16)
+    return t1, t2, (rest - t2.float()).to(torch.bfloat16)
+
+
+# The (i, j) pairs of h_i * B_j that matter (h3 * B3 is 2^-32 of the result), smallest first, so a
+# GEMM that sums along K in order adds the small terms before the large ones.
+_PAIRS = ((2, 1), (1, 2), (2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0))
+
+
+def _paired(pieces, side: int) -> torch.Tensor:
+    """Three pieces laid along the last dim in _PAIRS order, for the left (0) or right (1) factor:
+    lhs_k * rhs_k summed over k is sum h_i * B_j over the pairs."""
+    return torch.cat([pieces[pair[side]] for pair in _PAIRS], dim=-1)
+
+
+def _linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T for bf16 x [..., K], w [N, K], accumulated and returned in fp32 (cuBLAS on CUDA;
+    elsewhere the same exact products through an fp32 GEMM)."""
+    if x.is_cuda:
+        flat = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
+        return flat.view(*x.shape[:-1], w.shape[0])
+    return F.linear(x.float(), w.float())
+
+
+def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(a, b, out_dtype=torch.float32) if a.is_cuda else torch.bmm(a.float(), b.float())
+
+
+def _split_lora_delta(x: torch.Tensor, p: "Projection") -> torch.Tensor:
+    """`project`'s fp32 LoRA delta [..., N] from the split factors; x must be bf16."""
+    nr = p.lora_a.shape[0] // 3
+    h3 = _linear_f32(x, p.lora_a)  # [..., 3*n*r]: x.A1 | x.A2 | x.A3
+    h = (h3[..., :nr] + h3[..., nr : 2 * nr]) + h3[..., 2 * nr :]  # [..., n*r] = A(x), fp32
+    r = p.lora_b.shape[-1] // len(_PAIRS)
+    lead = h.shape[:-1]
+    per_member = h.reshape(-1, nr // r, r)
+    lhs = _paired(split_bf16x3(per_member[:, list(p.groups)].transpose(0, 1)), 0)  # [G, M, 8r]
+    delta = _bmm_f32(lhs, p.lora_b.transpose(1, 2)).transpose(0, 1).reshape(*lead, -1)
+    if p.lora_b_small is not None:
+        n_big = p.groups[-1] + 1
+        small = _paired(split_bf16x3(h[..., n_big * r :]), 0)
+        delta = torch.cat([delta, _linear_f32(small, p.lora_b_small)], dim=-1)
+    return delta
+
+
+def split_lora_factors(p: "Projection") -> "Projection":
+    """The projection with its FP32 LoRA factors in the bf16x3 form `project` runs on tensor
+    cores: A as [A1; A2; A3] rows, B (and the narrow block) as the _PAIRS pieces along r."""
+    if p.lora_a is None or p.lora_a.dtype != torch.float32:
+        return p
+    lora_a = torch.cat(split_bf16x3(p.lora_a))  # [3*n*r, in]
+    lora_b = _paired(split_bf16x3(p.lora_b), 1)  # [G, Nb, 8r]
+    small = None if p.lora_b_small is None else _paired(split_bf16x3(p.lora_b_small), 1)
+    return p._replace(lora_a=lora_a, lora_b=lora_b, lora_b_small=small)
+
+
+def map_projections(weights, fn: Callable):
+    """Apply fn to every Projection inside a layer's weight NamedTuples."""
+    if isinstance(weights, Projection):
+        return fn(weights)
+    if isinstance(weights, tuple) and hasattr(weights, "_fields"):
+        return weights._replace(**{k: map_projections(v, fn) for k, v in zip(weights._fields, weights)})
+    return weights
 
 
 def mlp_residual(x: torch.Tensor, eps: float, w: "MlpWeights") -> torch.Tensor:
@@ -385,8 +468,10 @@ class FusedLayer:
         return x
 
 
-def enable_fused_layers(text_model, attention_core: Callable, delta_impl: str, compile: bool = True) -> None:
-    """Route every decoder layer through the (compiled) layer functions."""
+def enable_fused_layers(text_model, attention_core: Callable, delta_impl: str, compile: bool = True,
+                        lora_gemm: str = "fp32") -> None:
+    """Route every decoder layer through the (compiled) layer functions; lora_gemm="bf16x3" runs
+    the FP32 LoRA factors as exact bf16 splits on tensor cores (bf16 models only)."""
     gdn_layer, attention_layer, gdn_layer_packed = make_layer_fns(text_model.config, attention_core, delta_impl)
     if compile:
         # Each (batch 1 / batch N, with / without cached keys, LoRA / merged) combination is one
@@ -403,3 +488,5 @@ def enable_fused_layers(text_model, attention_core: Callable, delta_impl: str, c
             layer.fused_forward = FusedLayer(layer, gdn_layer, zeros, packed_fn=gdn_layer_packed)
         else:
             layer.fused_forward = FusedLayer(layer, attention_layer, zeros)
+        if lora_gemm == "bf16x3":
+            layer.fused_forward.weights = map_projections(layer.fused_forward.weights, split_lora_factors)

@@ -135,3 +135,17 @@ def test_vision_started_inside_the_compile_gives_the_same_logits(tiny_export):
     assert calls == [1, 1]
     for a, b in zip(plain.logits, overlapped.logits):
         assert torch.equal(a, b)
+
+
+def test_bf16x3_lora_engine_answers_like_the_fp32_lora_engine(tiny_export):
+    # lora_gemm="bf16x3" changes only fp32 rounding order inside the LoRA delta, which the bf16
+    # output rounding almost always hides (on this request the logits came out bitwise equal).
+    from valen_runtime.engine import Engine
+
+    options = dict(device="cpu", dtype="bf16", mode="shared-prefix", kernels="fast", compile=False)
+    fp32 = Engine.load(tiny_export["separate"], **options).run(TEXT_REQUEST)
+    split = Engine.load(tiny_export["separate"], lora_gemm="bf16x3", **options).run(TEXT_REQUEST)
+    for a, b in zip(fp32.logits, split.logits):
+        torch.testing.assert_close(b, a, rtol=0, atol=0.02)
+    with pytest.raises(ValueError, match="needs kernels='fast'"):
+        Engine.load(tiny_export["separate"], device="cpu", dtype="bf16", lora_gemm="bf16x3")

@@ -333,3 +333,34 @@ def test_unknown_fused_attention_is_refused_in_one_line(tiny_export):
     model = load_model(tiny_export["separate"], device="cpu", dtype="fp32").text
     with pytest.raises(ValueError, match="fused_attention 'flash' is not one of"):
         enable_fast_paths(model, dtype=torch.float32, compile=False, fused_attention="flash")
+
+
+@gpu
+def test_bf16x3_lora_on_tensor_cores_is_as_accurate_as_fp32_cuda():
+    """The split LoRA through cuBLAS's bf16 GEMMs with fp32 output (eager and compiled) against
+    fp64, next to the fp32 LoRA on CUDA cores (TF32 off)."""
+    from valen_runtime.fused_layers import project, projection, split_lora_factors
+    from valen_runtime.qwen35 import LoRALinear, attach_lora
+
+    gen = torch.Generator().manual_seed(30)
+    parent = torch.nn.Module()
+    parent.proj = LoRALinear(2048, 1024)
+    parent.proj.weight.data = (torch.randn(1024, 2048, generator=gen) * 0.02).to(torch.bfloat16)
+    attach_lora(parent, {"proj.lora_A.weight": torch.randn(32, 2048, generator=gen) * 0.02,
+                         "proj.lora_B.weight": torch.randn(1024, 32, generator=gen) * 0.02}, 2.0)
+    parent = parent.cuda()
+    m = parent.proj
+    x = torch.randn(64, 2048, generator=gen).to("cuda", torch.bfloat16)
+    exact = (x.double() @ m.lora_A.weight.double().T) @ m.lora_B.weight.double().T * m.lora_scale
+    fp32 = m.lora_B(m.lora_A(x.float())) * m.lora_scale
+    plain = projection([m])
+    split = split_lora_factors(plain)
+    want = project(x, plain)  # bf16 output of the fp32 LoRA
+    for fn in (project, torch.compile(project, fullgraph=True)):
+        got = fn(x, split)  # the bf16 rounding hides the fp32-order differences but on ties
+        assert got.dtype == torch.bfloat16 and (got != want).float().mean() < 0.01
+    from valen_runtime.fused_layers import _split_lora_delta
+
+    err_split = (_split_lora_delta(x, split).double() - exact).abs()
+    err_fp32 = (fp32.double() - exact).abs()
+    assert err_split.max() <= 2 * err_fp32.max(), (err_split.max(), err_fp32.max())

@@ -154,6 +154,79 @@ def test_grouped_lora_projection_equals_separate_lora_linears(sizes):
     torch.testing.assert_close(project(x, p), want, rtol=1e-5, atol=1e-5)  # fp32: scale folding only
 
 
+def test_bf16x3_split_is_exact_across_magnitudes():
+    from valen_runtime.fused_layers import split_bf16x3
+
+    gen = torch.Generator().manual_seed(11)
+    t = torch.randn(4096, generator=gen) * torch.exp2(torch.randint(-60, 60, (4096,), generator=gen).float())
+    # Exact wherever the pieces stay normal and t1 finite: |t| in [2^-100, 2^127), far beyond any
+    # LoRA factor or activation (the top bf16 binade rounds up to inf, the bottom to subnormals).
+    t = torch.cat([t, torch.tensor([0.0, -0.0, 1.0, -3.0, 1 + 2**-23, -(1 - 2**-24), 2**-100, 2.0**126])])
+    t1, t2, t3 = split_bf16x3(t)
+    assert t1.dtype == t2.dtype == t3.dtype == torch.bfloat16
+    assert torch.equal((t1.float() + t2.float()) + t3.float(), t)
+
+
+@pytest.mark.parametrize("sizes", [[768, 256, 8, 8], [512, 512], [300]])
+def test_bf16x3_lora_equals_the_fp32_lora(sizes):
+    """lora_gemm="bf16x3": A(x) from exact products of bf16 x and the split A, B(h) from the 9
+    exact products of the split h and B; only the fp32 accumulation order differs from PEFT's
+    fp32 GEMMs. Checked on the delta itself (before the bf16 rounding hides it) and on the output."""
+    from valen_runtime.fast import FusedProjection
+    from valen_runtime.fused_layers import _split_lora_delta, project, projection, split_lora_factors
+    from valen_runtime.qwen35 import LoRALinear, attach_lora
+
+    gen = torch.Generator().manual_seed(20 + len(sizes))
+    parent = torch.nn.Module()
+    names = [f"m{i}" for i in range(len(sizes))]
+    for name, n in zip(names, sizes):
+        setattr(parent, name, LoRALinear(64, n))
+        getattr(parent, name).weight.data = torch.randn(n, 64, generator=gen).to(torch.bfloat16)
+    adapter = {}
+    for name, n in zip(names, sizes):
+        adapter[f"{name}.lora_A.weight"] = torch.randn(8, 64, generator=gen) * 0.1
+        adapter[f"{name}.lora_B.weight"] = torch.randn(n, 8, generator=gen) * 0.1
+    attach_lora(parent, adapter, 2.0)
+    members = [getattr(parent, name) for name in names]
+    x = torch.randn(3, 5, 64, generator=gen).to(torch.bfloat16)
+    p = FusedProjection(members).projection if len(members) > 1 else projection(members)
+    split = split_lora_factors(p)
+    assert split.lora_a.dtype == torch.bfloat16 and split.lora_a.shape[0] == 3 * p.lora_a.shape[0]
+    # PEFT's fp32 delta B(A(x)) * scale and the split one, both measured against fp64: the split
+    # must be as accurate as fp32 GEMMs (they differ from each other by fp32 summation order).
+    want_delta = torch.cat([m.lora_B(m.lora_A(x.float())) * m.lora_scale for m in members], dim=-1)
+    exact = torch.cat([(x.double() @ m.lora_A.weight.double().T) @ m.lora_B.weight.double().T * m.lora_scale
+                       for m in members], dim=-1)
+    got_delta = _split_lora_delta(x, split)
+    assert got_delta.dtype == torch.float32
+    err_split, err_fp32 = (got_delta.double() - exact).abs(), (want_delta.double() - exact).abs()
+    assert err_split.max() <= 2 * err_fp32.max(), (err_split.max(), err_fp32.max())
+    assert err_split.mean() <= 2 * err_fp32.mean(), (err_split.mean(), err_fp32.mean())
+    # After the one rounding to bf16 the outputs agree except where the delta sits on a tie.
+    want = torch.cat([m(x) for m in members], dim=-1)
+    got = project(x, split)
+    assert got.dtype == torch.bfloat16
+    assert (got != want).float().mean() < 0.01
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=0)
+
+
+def test_bf16x3_lora_in_fused_layers_matches_module_path(tiny_export):
+    reference = load_model(tiny_export["separate"], dtype="bf16")
+    fused = load_model(tiny_export["separate"], dtype="bf16")
+    enabled = enable_fast_paths(fused.text, dtype=fused.dtype, compile=False, lora_gemm="bf16x3")
+    assert enabled["lora"].startswith("bf16x3")
+    layer = fused.text.layers[0].fused_forward
+    assert layer.weights.mlp.down.lora_a.dtype == torch.bfloat16  # single projections split too
+    embeds, pos = inputs(reference.text, 2, 37, 0, seed=5)
+    close(fused.text(embeds, pos), reference.text(embeds, pos), "bf16")
+
+
+def test_bf16x3_lora_is_refused_for_fp32_models(tiny_export):
+    fused = load_model(tiny_export["separate"], dtype="fp32")
+    with pytest.raises(ValueError, match="needs a bf16 model"):
+        enable_fast_paths(fused.text, dtype=fused.dtype, compile=False, lora_gemm="bf16x3")
+
+
 def test_packed_conv_and_delta_rule_equal_per_sequence_runs():
     """The packed forms against the batched ones, one sequence at a time, all from one history."""
     from valen_runtime.fused_layers import causal_conv_silu_packed, gated_delta_rule_varlen_op
