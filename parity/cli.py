@@ -55,6 +55,7 @@ def run(
     reference_cache: Path | None,
     kernels: str | None = None,
     graphs: bool | None = None,
+    lora_gemm: str | None = None,
 ) -> dict:
     """The whole run; returns the report. Raises harness.UsageProblem for exit-2 problems."""
     import torch
@@ -99,7 +100,7 @@ def run(
     problems = harness.check_pins(pins_data, manifest, ref, base)
     if problems:
         raise harness.UsageProblem("; ".join(problems))
-    setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads, kernels, graphs)
+    setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads, kernels, graphs, lora_gemm)
     previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -125,8 +126,9 @@ def run(
 @click.option("--threads", type=int, default=None, help="torch threads on both sides (default: torch's default).")
 @click.option("--kernels", type=click.Choice(["torch", "fast"]), default=None, help="Runtime kernels at the model's seams (default: the engine's choice: fast for CUDA shared-prefix, else torch).")
 @click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=None, help="Runtime CUDA-graph replay (default: the engine's choice: on for CUDA shared-prefix).")
+@click.option("--lora-gemm", type=click.Choice(["fp32", "bf16x3"]), default=None, help="How the fast path runs a separate FP32 LoRA (default fp32; bf16x3: exact bf16 splits on tensor cores, bf16 only).")
 @click.option("--reference-cache", type=click.Path(path_type=Path), default=None, help="Reuse reference results across runs (keyed by checkpoint/base/requests/dtype/device hashes).")
-def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, report_path, valen_source, tolerances_path, threads, kernels, graphs, reference_cache):
+def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, report_path, valen_source, tolerances_path, threads, kernels, graphs, lora_gemm, reference_cache):
     """Compare the runtime on EXPORT with the Valen reference rebuilt from CHECKPOINT + BASE.
 
     \b
@@ -136,7 +138,7 @@ def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pin
     try:
         if mode is None:
             mode = "shared-prefix" if str(device).startswith("cuda") else "per-branch"
-        report = run(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, valen_source, tolerances_path, threads, reference_cache, kernels, graphs)
+        report = run(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, valen_source, tolerances_path, threads, reference_cache, kernels, graphs, lora_gemm)
     except harness.UsageProblem as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -434,6 +434,7 @@ class Setup:
     # Passed to Engine.load when set (None = the engine's own default for the device and mode).
     kernels: str | None = None
     graphs: bool | None = None
+    lora_gemm: str | None = None
 
 
 def manifest_info(export: Path) -> tuple[dict, str]:
@@ -476,7 +477,8 @@ def evaluate(setup: Setup, requests: list[tuple[str, str, dict]], ref: Reference
     from valen_runtime.errors import RequestError, ValenError
 
     if engine is None:
-        options = {k: v for k, v in (("kernels", setup.kernels), ("graphs", setup.graphs)) if v is not None}
+        options = {k: v for k, v in (("kernels", setup.kernels), ("graphs", setup.graphs), ("lora_gemm", setup.lora_gemm))
+                   if v is not None}
         try:
             engine = Engine.load(setup.export, device=setup.device, dtype=setup.dtype, verify="size", mode=setup.mode, **options)
         except (ValenError, OSError, ValueError, TypeError) as e:
@@ -538,7 +540,7 @@ def build_report(setup: Setup, entries: list[dict], ref: ReferenceRun, tol: Tole
             "mode": setup.mode,
             "lora": manifest["lora"]["mode"],
             "threads": setup.threads,
-            "engine_options": {"kernels": setup.kernels, "graphs": setup.graphs},
+            "engine_options": {"kernels": setup.kernels, "graphs": setup.graphs, "lora_gemm": setup.lora_gemm},
         },
         "export_manifest_sha256": manifest_sha,
         "export": {"format": manifest.get("format"), "exporter": manifest.get("exporter"), "source": manifest.get("source"), "lora": manifest.get("lora")},
