@@ -43,7 +43,8 @@ fi
 if [[ " $STEPS " == *" parity "* ]]; then
   FX="$WORK/fixture-2b"
   # The 2b fixture and the exports the specs name (latency.py builds them too); each only when missing.
-  # PARITY_SPECS: LORA:DTYPE:MODE ...; PARITY_CASE: one case group (default all).
+  # PARITY_SPECS: LORA:DTYPE:MODE ...; PARITY_CASE: one case group (default all); PARITY_ARGS: more
+  # valen-parity options (e.g. --lora-gemm bf16x3).
   SPECS=${PARITY_SPECS:-"separate:bf16:per-branch separate:bf16:shared-prefix merged:bf16:per-branch separate:fp32:per-branch"}
   python3 - "$WORK" "$(for s in $SPECS; do echo "${s%%:*}"; done | sort -u | tr '\n' ' ')" <<'PY'
 import sys
@@ -62,7 +63,7 @@ PY
     [ "$(left)" -gt 40 ] || { echo "parity $spec: skipped (time)"; continue; }
     # ~70 s of a fresh process go to torch.compile and FLA autotuning before the first case.
     timeout $(cap ${PARITY_TIMEOUT:-300}) python3 -m parity.cli --export "$WORK/export-2b-$1" --checkpoint "$FX/checkpoint" --base "$FX/base" --pins "$FX/pins.json" \
-      --case "${PARITY_CASE:-all}" --device cuda --dtype "$2" --mode "$3" --report "$OUT/parity-$1-$2-$3.json" > "$OUT/parity-$1-$2-$3.log" 2>&1
+      --case "${PARITY_CASE:-all}" --device cuda --dtype "$2" --mode "$3" ${PARITY_ARGS:-} --report "$OUT/parity-$1-$2-$3.json" > "$OUT/parity-$1-$2-$3.log" 2>&1
     echo "parity $spec: exit $?"; tail -4 "$OUT/parity-$1-$2-$3.log"
   done
 fi
