@@ -14,8 +14,8 @@ import json
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 import jinja2
 import torch
@@ -233,7 +233,7 @@ class Compiler:
 
     # ---------------------------------------------------------------- public entry points
 
-    def compile_bytes(self, data: bytes, on_images: Callable[["ImageInputs"], None] | None = None) -> CompiledRequest:
+    def compile_bytes(self, data: bytes, on_images: Callable[[ImageInputs], None] | None = None) -> CompiledRequest:
         return self.compile(parse_request_bytes(data), on_images)
 
     def compile(self, request: dict, on_images: Callable[[ImageInputs], None] | None = None) -> CompiledRequest:
@@ -453,7 +453,8 @@ class Compiler:
 
     # ---------------------------------------------------------------- encoding
 
-    def _encode_state(self, messages: list[dict], images: list[_ImageItem], on_images=None) -> StateInputs:
+    def _encode_state(self, messages: list[dict], images: list[_ImageItem],
+                      on_images: Callable[[ImageInputs], None] | None = None) -> StateInputs:
         resized, grids = [], []
         for image in images:
             decoded = decode_image(image.data, image.mime_format, image.field, self.image_limits)
