@@ -6,7 +6,8 @@ measures per request (compile + vision + text + head + answers, CUDA-synchronise
   process with flash-linear-attention blocked (benchmarks/reference_latency.py);
 - runtime per-branch (pure PyTorch, reference-shaped);
 - runtime shared-prefix: PyTorch kernels / fast kernels (FLA + SDPA) / fast kernels + CUDA graphs,
-  the merged-LoRA export, packed branches, the prefix cut at the state's end rather than on a
+  the merged-LoRA export, packed branches (after a prefix pass, or with the prefix in the same
+  row: one pass), the prefix cut at the state's end rather than on a
   chunk boundary, the FP32 LoRA as bf16x3 splits on tensor cores, and the vision tower queued
   after the request compile (A/Bs).
 `--only TEXT` keeps the configurations whose label contains TEXT, `--skip-reference` drops the
@@ -149,6 +150,9 @@ def main() -> None:
         # Opt-in: branches packed varlen in one row (no padding rows); not the default until measured.
         ("shared-prefix (fast + CUDA graphs, packed branches)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True)),
         ("merged LoRA: shared-prefix (fast + CUDA graphs, packed branches)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True, merged=True)),
+        # A/B: the prefix in the same packed row, one sweep of the layers instead of two.
+        ("shared-prefix (fast + CUDA graphs, packed, one pass)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True, one_pass=True)),
+        ("merged LoRA: shared-prefix (fast + CUDA graphs, packed, one pass)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True, one_pass=True, merged=True)),
     ]
     if args.device != "cuda":
         configs = configs[:2]

@@ -45,7 +45,7 @@ def fused_variant(export_dir: Path, device: str, compile_gdn: bool, compile_atte
     enabled = enable_fast_paths(text, dtype=torch.bfloat16, compile=False, fused_attention=attention)
     core = sdpa_attention if attention == "sdpa" else qwen35.eager_attention
     impl = "fla" if str(enabled["gated_delta"]).startswith("fla") else "torch"
-    gdn, att, _ = make_layer_fns(text.config, core, impl)
+    gdn, att, *_ = make_layer_fns(text.config, core, impl)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     options = {"emulate_precision_casts": True}  # as enable_fused_layers
     if compile_gdn:

@@ -45,9 +45,9 @@ class _Plan:
 
     parts: list[torch.Tensor]  # int64: state ids [1, P], prefix positions [3, 1, cut], suffix ids [N, L - tail],
     # row positions [3, N, L], image token indices [n_img], head rows [C + N + C]
-    sizes: tuple  # (P, cut, N, L, C, n_img); packed: (P, cut, T, C, n_img, sequence lengths)
+    sizes: tuple  # (P, cut, N, L, C, n_img); packed and one-pass: (P, cut, T, C, n_img, N, sequence lengths)
     candidates_per_branch: list[int]
-    packed: bool = False
+    kind: str = "request"  # "request" (padded batch), "packed", "one-pass"
 
     def upload(self, device: torch.device) -> list[torch.Tensor]:
         """One copy (pinned, asynchronous on CUDA) of all parts, returned as views in order."""
@@ -85,6 +85,7 @@ class Engine:
         compile: bool | None = None,
         pack: bool = False,
         lora_gemm: str = "fp32",
+        one_pass: bool = False,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -111,6 +112,11 @@ class Engine:
         # pack: the branches as varlen sequences in one row instead of a right-padded batch (no
         # padding rows; needs the fused layers; on CUDA with graphs, FLA's varlen kernel).
         self.pack = pack
+        # one_pass: the shared prefix rides in the same row as the packed branches (one sweep of the
+        # layers instead of a prefix pass and a branch pass; two delta-rule calls per GDN layer).
+        self.one_pass = one_pass
+        if one_pass and not pack:
+            raise ValueError("one_pass=True needs pack=True (the branches as packed sequences)")
         if pack:
             if mode != "shared-prefix" or self.kernels.get("layers", "modules") == "modules":
                 raise ValueError("pack=True needs mode='shared-prefix' and kernels='fast' (the fused layers)")
@@ -139,6 +145,7 @@ class Engine:
         compile: bool | None = None,
         pack: bool = False,
         lora_gemm: str = "fp32",
+        one_pass: bool = False,
     ) -> "Engine":
         """Load an export.
 
@@ -160,7 +167,7 @@ class Engine:
         if graphs is None:
             graphs = cuda and mode == "shared-prefix"
         return cls(model, compiler, mode=mode, temperature=temperature, kernels=kernels, graphs=graphs, compile=compile, pack=pack,
-                   lora_gemm=lora_gemm)
+                   lora_gemm=lora_gemm, one_pass=one_pass)
 
     # ---- pieces -------------------------------------------------------------------------
 
@@ -232,12 +239,12 @@ class Engine:
         inputs = plan.upload(m.device)  # one host-to-device copy of every index the request needs
         if features is not None:
             inputs.append(features)
-        planned = self._packed_logits if plan.packed else self._planned_logits
+        planned = {"request": self._planned_logits, "packed": self._packed_logits, "one-pass": self._one_pass_logits}[plan.kind]
         forward = functools.partial(planned, plan.sizes)
         if self.graphs is None:
             (logits,) = forward(*inputs)
         else:
-            key = ("packed" if plan.packed else "request", *plan.sizes)
+            key = (plan.kind, *plan.sizes)
             (logits,) = self.graphs.run(key, forward, inputs)
         per_branch = list(logits.split(plan.candidates_per_branch))  # [K_b] per branch
         out, k = [], 0
@@ -259,7 +266,9 @@ class Engine:
         N, tail = len(branches), P - cut
         image_index = torch.tensor([i for i, t in enumerate(st.mm_token_type_ids) if t == 1], dtype=torch.int64)
         if self.pack:
-            return self._plan_packed(compiled, branches, positions, next_pos, cut, image_index)
+            K = self.model.config.text_config.linear_conv_kernel_dim
+            one_pass = self.one_pass and cut >= K - 1  # the in-row prefix must hold a whole conv history
+            return self._plan_packed(compiled, branches, positions, next_pos, cut, image_index, one_pass)
         # Right padding is exact for the real tokens: every layer is causal, so a pad token never
         # influences an earlier position. Lengths round up to a multiple of 8 so graphs are reused.
         L = -(-(tail + max(len(br.suffix_ids) for br in branches)) // 8) * 8
@@ -285,9 +294,10 @@ class Engine:
         return self._head_logits(hidden.reshape(N * L, -1), head_index, C, N)
 
     def _plan_packed(self, compiled: CompiledRequest, branches, positions: torch.Tensor, next_pos: int, cut: int,
-                     image_index: torch.Tensor) -> "_Plan":
+                     image_index: torch.Tensor, one_pass: bool = False) -> "_Plan":
         """Branches as sequences [state tail | suffix] packed back to back in one row of T tokens
-        (T rounded up to 8 with one extra pad sequence), each continuing the prefix state."""
+        (T rounded up to 8 with one extra pad sequence), each continuing the prefix state; with
+        one_pass, the prefix's own cut rows lead the row (cut + T rows, one sweep)."""
         st = compiled.state
         P = len(st.input_ids)
         tail = P - cut
@@ -316,12 +326,27 @@ class Engine:
         taps = torch.stack([torch.where(offsets + j >= K - 1, rows + j, offsets + j) for j in range(K)])  # [K, T]
         cu_seqlens = torch.tensor([0] + list(itertools.accumulate(seq_lengths)))
         chunk_indices = torch.tensor([[i, c] for i, n in enumerate(seq_lengths) for c in range(-(-n // CHUNK))]).view(-1, 2)
+        if one_pass:
+            # [prefix rows 0..cut | the packed row]: the prefix taps read zeros before its start, the
+            # branches' taps move past the prefix rows (their "history" indices are prefix rows too).
+            source = list(range(cut)) + source
+            rows_pos = torch.cat([positions[:, None, :cut], rows_pos], dim=2)
+            seq_ids = torch.cat([torch.full((cut,), -1), seq_ids])
+            offsets = torch.cat([torch.arange(cut), offsets])
+            prefix_taps = torch.stack([torch.arange(cut) + j for j in range(K)])  # [K, cut]
+            taps = torch.cat([prefix_taps, taps + cut], dim=1)
+            starts = [start + cut for start in starts]
         head_index, C = _head_index(branches, starts, cut)
-        parts = [torch.tensor([st.input_ids]), positions[:, None, :cut], torch.tensor(suffix_ids, dtype=torch.int64),
-                 torch.tensor(source), rows_pos, image_index, head_index, seq_ids, offsets, taps, cu_seqlens, chunk_indices]
         # Every sequence length is part of the key: the varlen kernels' launch grids depend on them.
         sizes = (P, cut, T, C, len(image_index), len(branches), tuple(seq_lengths))
-        return _Plan(parts, sizes, [len(br.candidate_positions) for br in branches], packed=True)
+        parts = [torch.tensor([st.input_ids]), torch.tensor(suffix_ids, dtype=torch.int64), torch.tensor(source), rows_pos,
+                 image_index, head_index, seq_ids, offsets, taps, cu_seqlens, chunk_indices]
+        if one_pass:
+            parts.append(torch.arange(cut))  # prefix_rows: its length marks the in-row prefix
+        else:
+            parts.insert(1, positions[:, None, :cut])  # the cached prefix pass's positions
+        kind = "one-pass" if one_pass else "packed"
+        return _Plan(parts, sizes, [len(br.candidate_positions) for br in branches], kind=kind)
 
     def _packed_logits(self, sizes, state_ids, prefix_pos, suffix_ids, source, rows_pos, image_index, head_index,
                        seq_ids, offsets, taps, cu_seqlens, chunk_indices, features=None):
@@ -333,6 +358,17 @@ class Engine:
         cache = self._prefix_cache(embeds[:, :cut], prefix_pos) if cut > 0 else None
         packing = Packing(seq_ids, offsets, taps, cu_seqlens, chunk_indices)
         hidden = text(rows, rows_pos, cache=cache, packing=packing)  # [1, T, H]
+        return self._head_logits(hidden[0], head_index, C, N)
+
+    def _one_pass_logits(self, sizes, state_ids, suffix_ids, source, rows_pos, image_index, head_index,
+                         seq_ids, offsets, taps, cu_seqlens, chunk_indices, prefix_rows, features=None):
+        """`_packed_logits` with the prefix in the same row: one sweep of the layers, no cache."""
+        text = self.model.text
+        P, cut, T, C, _, N, _ = sizes
+        embeds = self._state_embeds(state_ids, image_index, features)  # [1, P, H]
+        rows = torch.cat([embeds[0], text.embed(suffix_ids)])[source][None]  # [1, cut + T, H]
+        packing = Packing(seq_ids, offsets, taps, cu_seqlens, chunk_indices, prefix_rows)
+        hidden = text(rows, rows_pos, packing=packing)  # [1, cut + T, H]
         return self._head_logits(hidden[0], head_index, C, N)
 
     # Pieces of the device functions above (capturable: no host work).

@@ -338,7 +338,9 @@ def _fused(fused) -> Projection:
 
 
 def make_layer_fns(cfg, attention_core: Callable, delta_impl: str):
-    """gdn_layer / attention_layer for one text config; sizes are closure constants to the compiler."""
+    """gdn_layer / attention_layer, and the GDN layer's packed (continuations of a cached prefix)
+    and tree (prefix and continuations in one pass) forms, for one text config; sizes are closure
+    constants to the compiler."""
     eps = cfg.rms_norm_eps
     Hkl, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     key_dim, value_dim = Hkl * Dk, Hv * Dv
@@ -379,6 +381,22 @@ def make_layer_fns(cfg, attention_core: Callable, delta_impl: str):
         )
         return out
 
+    def gdn_layer_tree(x, conv_zero, state_zero, taps, prefix_rows, cu_seqlens, chunk_indices, w: GdnWeights):
+        """One pass over [prefix (P rows) | packed continuations]: x [1, P + T, H]; the prefix starts
+        from zero history, the continuations from the prefix's final state, computed in this very
+        layer (two delta-rule calls); taps index [zeros (K-1) | row]. -> x."""
+        P = prefix_rows.shape[0]
+
+        def rule(q, k, v, g, beta):
+            out_p, state = gated_delta_rule_op(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], state_zero, delta_impl)
+            initial = state.expand(cu_seqlens.shape[0] - 1, *state.shape[1:]).contiguous()  # [n, Hv, Dk, Dv]
+            out_c = gated_delta_rule_varlen_op(q[:, P:], k[:, P:], v[:, P:], g[:, P:], beta[:, P:], initial, cu_seqlens,
+                                               chunk_indices, delta_impl)
+            return torch.cat([out_p, out_c], dim=1), None
+
+        out, _, _ = gdn_body(x, w, lambda mixed: (causal_conv_silu_packed(mixed, conv_zero, w.conv, taps), None), rule)
+        return out
+
     def attention_layer(x, cos, sin, mask, k_prev, v_prev, w: AttentionWeights):
         """x [B, T, H], cos / sin [B, T, R], k_prev / v_prev [B, Hk, S-T, D] or None -> (x, keys, values)."""
         B, T, _ = x.shape
@@ -396,7 +414,7 @@ def make_layer_fns(cfg, attention_core: Callable, delta_impl: str):
         x = x + project(out, w.o_proj)
         return mlp_residual(x, eps, w.mlp), k, v
 
-    return gdn_layer, attention_layer, gdn_layer_packed
+    return gdn_layer, attention_layer, gdn_layer_packed, gdn_layer_tree
 
 
 def _dynamic(t: torch.Tensor, *dims: int) -> None:
@@ -408,12 +426,14 @@ class FusedLayer:
     """Stands in for a DecoderLayer's forward (the `fused_forward` seam): moves the cache entries in
     and out of the layer function, which sees tensors only."""
 
-    def __init__(self, layer, fn: Callable, zeros: dict | None = None, packed_fn: Callable | None = None):
+    def __init__(self, layer, fn: Callable, zeros: dict | None = None, packed_fn: Callable | None = None,
+                 tree_fn: Callable | None = None):
         self.layer_idx = layer.linear_attn.layer_idx if layer.layer_type == "linear_attention" else layer.self_attn.layer_idx
         self.kind = layer.layer_type
         self.weights = gather_weights(layer)
         self.fn = fn
         self.packed_fn = packed_fn
+        self.tree_fn = tree_fn
         self.zeros = zeros if zeros is not None else {}
         if self.kind == "linear_attention":
             gdn = layer.linear_attn
@@ -439,6 +459,15 @@ class FusedLayer:
             state = cache.recurrent_states[i] if cache is not None else None
             if prev is None:  # a fresh sequence: zero history, as the padded conv and a zero state
                 prev, state = self._zero_history(B, x)
+            if packing is not None and packing.prefix_rows is not None:  # prefix and continuations, one pass
+                if self.tree_fn is None or cache is not None:
+                    raise ValueError("a one-pass packing needs this layer's tree form and no cache")
+                _dynamic(packing.prefix_rows, 0)
+                _dynamic(packing.conv_taps, 1)
+                _dynamic(packing.cu_seqlens, 0)
+                _dynamic(packing.chunk_indices, 0)
+                return self.tree_fn(x, prev, state, packing.conv_taps, packing.prefix_rows, packing.cu_seqlens,
+                                    packing.chunk_indices, self.weights)
             if packing is not None:  # every packed sequence starts from the same (batch-1) history
                 if self.packed_fn is None:
                     raise ValueError("this fused layer has no packed form")
@@ -472,7 +501,7 @@ def enable_fused_layers(text_model, attention_core: Callable, delta_impl: str, c
                         lora_gemm: str = "fp32") -> None:
     """Route every decoder layer through the (compiled) layer functions; lora_gemm="bf16x3" runs
     the FP32 LoRA factors as exact bf16 splits on tensor cores (bf16 models only)."""
-    gdn_layer, attention_layer, gdn_layer_packed = make_layer_fns(text_model.config, attention_core, delta_impl)
+    gdn_layer, attention_layer, gdn_layer_packed, gdn_layer_tree = make_layer_fns(text_model.config, attention_core, delta_impl)
     if compile:
         # Each (batch 1 / batch N, with / without cached keys, LoRA / merged) combination is one
         # compiled variant per function; the default limit of 8 would silently fall back to eager.
@@ -482,10 +511,11 @@ def enable_fused_layers(text_model, attention_core: Callable, delta_impl: str, c
         gdn_layer = torch.compile(gdn_layer, fullgraph=True, options=options)
         attention_layer = torch.compile(attention_layer, fullgraph=True, options=options)
         gdn_layer_packed = torch.compile(gdn_layer_packed, fullgraph=True, options=options)
+        gdn_layer_tree = torch.compile(gdn_layer_tree, fullgraph=True, options=options)
     zeros: dict = {}  # one zero history per batch size for every layer
     for layer in text_model.layers:
         if layer.layer_type == "linear_attention":
-            layer.fused_forward = FusedLayer(layer, gdn_layer, zeros, packed_fn=gdn_layer_packed)
+            layer.fused_forward = FusedLayer(layer, gdn_layer, zeros, packed_fn=gdn_layer_packed, tree_fn=gdn_layer_tree)
         else:
             layer.fused_forward = FusedLayer(layer, attention_layer, zeros)
         if lora_gemm == "bf16x3":

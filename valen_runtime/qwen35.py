@@ -451,24 +451,30 @@ def decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bia
 
 
 class Packing(NamedTuple):
-    """Sequences packed into one row of T tokens (batch 1), each continuing the same cached prefix.
+    """Sequences packed into one row of T tokens (batch 1), each continuing the same prefix.
 
-    Only the fused layer functions (fused_layers.py) take it; the module path refuses it.
+    The prefix is either cached (an earlier forward) or, with `prefix_rows`, the row's first rows
+    (one pass: prefix and continuations together; seq_ids -1 there). Only the fused layer
+    functions (fused_layers.py) take it; the module path refuses it.
     """
 
-    seq_ids: torch.Tensor  # [T] int64: the sequence of each token
+    seq_ids: torch.Tensor  # [T] int64: the sequence of each token (-1: the in-row prefix)
     offsets: torch.Tensor  # [T] int64: its position within that sequence
     conv_taps: torch.Tensor  # [K, T] int64: causal-conv inputs per tap, indices into [prefix conv tail (K-1) | row]
-    cu_seqlens: torch.Tensor  # [n + 1] int64: sequence boundaries
+    cu_seqlens: torch.Tensor  # [n + 1] int64: boundaries of the continuations (after the in-row prefix)
     chunk_indices: torch.Tensor  # [NT, 2] int64: (sequence, chunk) of every 64-token delta-rule chunk
+    prefix_rows: torch.Tensor | None = None  # [cut]: its length is the in-row prefix's (one pass)
 
 
 def packed_mask(packing: Packing, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive mask [1, 1, T, past + T]: every token sees the prefix and its own sequence causally."""
+    """Additive mask [1, 1, T, past + T]: every token sees the prefix and its own sequence causally
+    (the in-row prefix's own tokens only their own earlier ones)."""
     same = packing.seq_ids[:, None] == packing.seq_ids[None, :]
     causal = packing.offsets[None, :] <= packing.offsets[:, None]
+    in_prefix = packing.seq_ids == -1
+    seen = (same & causal) | (in_prefix[None, :] & ~in_prefix[:, None])
     T = packing.seq_ids.shape[0]
-    allowed = torch.cat([torch.ones(T, past, dtype=torch.bool, device=device), same & causal], dim=1)
+    allowed = torch.cat([torch.ones(T, past, dtype=torch.bool, device=device), seen], dim=1)
     return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)[None, None]
 
 

@@ -285,7 +285,39 @@ def test_packed_branches_equal_padded_branches_cpu(tiny_export, dtype, atol):
         assert got.response["usage"] == base.response["usage"]
     plan = packed._plan(packed.compiler.compile(REQUEST_IMAGE_LONG))
     P, cut, T = plan.sizes[:3]
-    assert plan.packed and cut > 0 and T % 8 == 0 and sum(plan.sizes[-1]) == T  # one row, no padding rows but < 8
+    assert plan.kind == "packed" and cut > 0 and T % 8 == 0 and sum(plan.sizes[-1]) == T  # one row, no padding rows but < 8
+
+
+@pytest.mark.parametrize("dtype, atol", [("fp32", 2e-5), ("bf16", 0.15)])
+def test_one_pass_equals_the_packed_prefix_pass_cpu(tiny_export, dtype, atol):
+    """one_pass=True: the prefix rides in the packed row (one sweep, two delta-rule calls per GDN
+    layer, a tree mask in attention). The same function as the prefix pass + packed branches."""
+    from valen_runtime.engine import Engine
+
+    options = dict(device="cpu", dtype=dtype, mode="shared-prefix", kernels="fast", pack=True)
+    packed = Engine.load(tiny_export["separate"], **options)
+    one_pass = Engine.load(tiny_export["separate"], one_pass=True, **options)
+    per_branch = Engine.load(tiny_export["separate"], device="cpu", dtype=dtype, mode="per-branch")
+    for request in (REQUEST, REQUEST_IMAGE_LONG):
+        want, got, base = packed.run(request), one_pass.run(request), per_branch.run(request)
+        for a, b, c in zip(want.logits, got.logits, base.logits):
+            assert (a - b).abs().max().item() <= atol, (dtype, a, b)
+            assert (c - b).abs().max().item() <= atol, (dtype, c, b)
+    plan = one_pass._plan(one_pass.compiler.compile(REQUEST_IMAGE_LONG))
+    P, cut, T = plan.sizes[:3]
+    assert plan.kind == "one-pass" and cut > 0
+    rows_pos = plan.parts[3]
+    assert rows_pos.shape[-1] == cut + T  # the prefix's rows lead the packed row
+    short = one_pass._plan(one_pass.compiler.compile(REQUEST))
+    if short.sizes[1] == 0:  # no chunk-aligned prefix to share: nothing rides along
+        assert short.kind == "packed"
+
+
+def test_one_pass_needs_packing(tiny_export):
+    from valen_runtime.engine import Engine
+
+    with pytest.raises(ValueError, match="needs pack=True"):
+        Engine.load(tiny_export["separate"], device="cpu", mode="shared-prefix", kernels="fast", one_pass=True)
 
 
 def test_pack_needs_the_fused_layers(tiny_export):
@@ -308,6 +340,20 @@ def test_compiled_packed_branches_cpu(tiny_export):
     for request in (REQUEST, REQUEST_IMAGE_LONG, REQUEST):
         for a, b in zip(eager.run(request).logits, compiled.run(request).logits):
             assert (a - b).abs().max().item() <= 2e-5, (a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
+def test_compiled_one_pass_cpu(tiny_export):
+    """The one-pass layout through torch.compile (inductor C++ here), fp32, against the eager padded path."""
+    from valen_runtime.engine import Engine
+
+    eager = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast")
+    compiled = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast",
+                           pack=True, one_pass=True, compile=True)
+    assert compiled._plan(compiled.compiler.compile(REQUEST_IMAGE_LONG)).kind == "one-pass"
+    for a, b in zip(eager.run(REQUEST_IMAGE_LONG).logits, compiled.run(REQUEST_IMAGE_LONG).logits):
+        assert (a - b).abs().max().item() <= 2e-5, (a, b)
 
 
 def test_with_fused_layers_only_the_final_norm_gets_a_compiled_norm(tiny_export):
