@@ -435,6 +435,7 @@ class Setup:
     kernels: str | None = None
     graphs: bool | None = None
     lora_gemm: str | None = None
+    pack: str | None = None  # "off" | "branches" | "one-pass" (Engine's pack / one_pass)
 
 
 def manifest_info(export: Path) -> tuple[dict, str]:
@@ -479,6 +480,8 @@ def evaluate(setup: Setup, requests: list[tuple[str, str, dict]], ref: Reference
     if engine is None:
         options = {k: v for k, v in (("kernels", setup.kernels), ("graphs", setup.graphs), ("lora_gemm", setup.lora_gemm))
                    if v is not None}
+        if setup.pack is not None:
+            options.update(pack=setup.pack != "off", one_pass=setup.pack == "one-pass")
         try:
             engine = Engine.load(setup.export, device=setup.device, dtype=setup.dtype, verify="size", mode=setup.mode, **options)
         except (ValenError, OSError, ValueError, TypeError) as e:
@@ -540,7 +543,7 @@ def build_report(setup: Setup, entries: list[dict], ref: ReferenceRun, tol: Tole
             "mode": setup.mode,
             "lora": manifest["lora"]["mode"],
             "threads": setup.threads,
-            "engine_options": {"kernels": setup.kernels, "graphs": setup.graphs, "lora_gemm": setup.lora_gemm},
+            "engine_options": {"kernels": setup.kernels, "graphs": setup.graphs, "lora_gemm": setup.lora_gemm, "pack": setup.pack},
         },
         "export_manifest_sha256": manifest_sha,
         "export": {"format": manifest.get("format"), "exporter": manifest.get("exporter"), "source": manifest.get("source"), "lora": manifest.get("lora")},

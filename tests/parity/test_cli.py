@@ -110,16 +110,17 @@ def test_perturbed_lora_element_fails(tiny_fixture, tiny_export, bf16_reference,
     assert ".lora_B." in name
 
 
-def test_bf16x3_lora_passes_the_shared_prefix_gate(tiny_fixture, tiny_export, bf16_reference, reference_cache, tmp_path):
-    # The opt-in tensor-core LoRA is judged by the same declared entry as the fast path it is part of.
+def test_bf16x3_lora_and_one_pass_pass_the_shared_prefix_gate(tiny_fixture, tiny_export, bf16_reference, reference_cache, tmp_path):
+    # The opt-in tensor-core LoRA and one-pass layout are judged by the same declared entry as the
+    # fast path they are part of.
     report_path = tmp_path / "r.json"
     code, out = _invoke(
         _args(tiny_fixture, tiny_export["separate"], "--case", "all", "--dtype", "bf16", "--mode", "shared-prefix", "--kernels", "fast",
-              "--lora-gemm", "bf16x3", "--threads", THREADS, "--reference-cache", str(reference_cache), "--report", str(report_path))
+              "--lora-gemm", "bf16x3", "--pack", "one-pass", "--threads", THREADS, "--reference-cache", str(reference_cache), "--report", str(report_path))
     )
     assert code == 0, out
     report = json.loads(report_path.read_text(encoding="utf-8"))
-    assert report["setup"]["engine_options"]["lora_gemm"] == "bf16x3"
+    assert report["setup"]["engine_options"]["lora_gemm"] == "bf16x3" and report["setup"]["engine_options"]["pack"] == "one-pass"
     assert report["runtime"]["kernels"]["lora"] == "bf16x3 splits, tensor cores"
 
 
