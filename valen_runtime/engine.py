@@ -155,6 +155,8 @@ class Engine:
         reference-faithful PyTorch path unless kernels="fast". compile=False keeps the fast path
         eager (no minute-long first request; slower after it). lora_gemm="bf16x3" runs the
         separate FP32 LoRA on tensor cores as exact bf16 splits (opt-in, bf16 only; see fast.py).
+        pack=True runs the branches as packed varlen sequences, and one_pass=True with it puts the
+        shared prefix in the same row (one sweep of the layers); both opt-in (docs/runtime.md).
         """
         model = load_model(export_dir, device=device, dtype=dtype, verify=verify)
         prompt = model.manifest.data["prompt"]
