@@ -82,9 +82,9 @@ def mid_file(partial: Path, name: str) -> bool:
     return 8 + n < size < final
 
 
-def the_partial(out: Path) -> Path | None:
-    ps = partials(out)
-    return ps[0] if ps else None
+def own_partial(out: Path, proc: subprocess.Popen) -> Path:
+    """The partial directory of the export running as `proc` (atomic.py names it by PID)."""
+    return out.parent / f".{out.name}.partial-{proc.pid}"
 
 
 def assert_clean_rerun(fx, out: Path) -> None:
@@ -125,31 +125,32 @@ def test_refused_export_creates_nothing(tiny_fixture, tmp_path):
 @pytest.mark.slow
 def test_sigkill_at_several_moments_then_rerun(medium_fixture, tmp_path):
     out = tmp_path / "out"
+    # Each predicate looks at the running export's own partial directory: a stale one left by the
+    # previous kill (removed only once the new export gets going) must not count as reached.
     moments = {
-        "while starting (imports, hashing)": lambda: False,  # killed after a fixed delay instead
-        "partial directory created": lambda: the_partial(out) is not None,
-        "mid-tensor in the language shard": lambda: (p := the_partial(out)) is not None and mid_file(p, LANG),
-        "language shard complete, adapter being written": lambda: (p := the_partial(out)) is not None and (p / "adapter_model.safetensors").exists(),
-        "last tensor file being written": lambda: (p := the_partial(out)) is not None and (p / "valen_head.safetensors").exists(),
+        "while starting (imports, hashing)": None,  # killed after a fixed delay instead
+        "partial directory created": lambda own: own.is_dir(),
+        "mid-tensor in the language shard": lambda own: mid_file(own, LANG),
+        "language shard complete, adapter being written": lambda own: (own / "adapter_model.safetensors").exists(),
+        "last tensor file being written": lambda own: (own / "valen_head.safetensors").exists(),
     }
     observed = {}
     for moment, predicate in moments.items():
-        before = set(partials(out))
         proc = start(medium_fixture, out)
-        if moment.startswith("while starting"):
+        own = own_partial(out, proc)
+        if predicate is None:
             time.sleep(0.5)
             reached = proc.poll() is None
         else:
-            reached = wait_until(proc, predicate)
-        snapshot = sorted(p.name for p in the_partial(out).iterdir()) if reached and the_partial(out) else []
+            reached = wait_until(proc, lambda: predicate(own))
+        snapshot = sorted(p.name for p in own.iterdir()) if reached and own.is_dir() else []
         proc.kill()
         proc.wait()
         assert reached, f"{moment}: the export finished before the moment was reached"
         assert not out.exists(), f"{moment}: OUT appeared"
-        left = set(partials(out)) - before
-        observed[moment] = (snapshot, [p.name for p in left])
-        if not moment.startswith("while starting"):
-            assert len(left) == 1, f"{moment}: expected the killed export's partial directory, got {left}"
+        observed[moment] = (snapshot, [p.name for p in partials(out)])
+        if predicate is not None:
+            assert own.is_dir(), f"{moment}: expected the killed export's partial directory {own.name}, got {partials(out)}"
     assert_clean_rerun(medium_fixture, out)
     print(json.dumps(observed, indent=1))
 
@@ -195,7 +196,7 @@ def test_two_exports_racing_for_one_out(medium_fixture, tmp_path):
 def test_interrupt_removes_the_temporary_directory(medium_fixture, tmp_path, sig, expected_rc):
     out = tmp_path / "out"
     proc = start(medium_fixture, out)
-    assert wait_until(proc, lambda: (p := the_partial(out)) is not None and mid_file(p, LANG)), "finished before the interrupt"
+    assert wait_until(proc, lambda: mid_file(own_partial(out, proc), LANG)), "finished before the interrupt"
     proc.send_signal(sig)
     rc = proc.wait(timeout=60)
     err = proc.stderr.read()
