@@ -126,29 +126,36 @@ def test_compiled_layers_match_module_path_cpu(tiny_export):
         close(fused(embeds, pos), reference(embeds, pos), "fp32")
 
 
+def lora_members(sizes, in_features: int, rank: int, gen, weight_dtype=torch.float32, factor_scale: float = 1.0):
+    """LoRALinear projections of one input (PEFT-style FP32 adapters, scale 2) and their fused Projection."""
+    from valen_runtime.fast import FusedProjection
+    from valen_runtime.fused_layers import projection
+    from valen_runtime.qwen35 import LoRALinear, attach_lora
+
+    parent = torch.nn.Module()
+    names = [f"m{i}" for i in range(len(sizes))]
+    for name, n in zip(names, sizes):
+        setattr(parent, name, LoRALinear(in_features, n))
+        getattr(parent, name).weight.data = torch.randn(n, in_features, generator=gen).to(weight_dtype)
+    adapter = {}
+    for name, n in zip(names, sizes):
+        adapter[f"{name}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) * factor_scale
+        adapter[f"{name}.lora_B.weight"] = torch.randn(n, rank, generator=gen) * factor_scale
+    attach_lora(parent, adapter, 2.0)
+    members = [getattr(parent, name) for name in names]
+    return members, (FusedProjection(members).projection if len(members) > 1 else projection(members))
+
+
 @pytest.mark.parametrize("sizes", [[768, 256, 8, 8], [512, 512], [300], [16, 8]])
 def test_grouped_lora_projection_equals_separate_lora_linears(sizes):
     """fused_layers.project: wide members cut into equal row blocks for one batched B GEMM, narrow
     trailing members block-diagonal; each output must equal its own PEFT-style LoRALinear."""
-    from valen_runtime.fast import FusedProjection
-    from valen_runtime.fused_layers import project, projection
-    from valen_runtime.qwen35 import LoRALinear, attach_lora
+    from valen_runtime.fused_layers import project
 
     gen = torch.Generator().manual_seed(len(sizes))
-    parent = torch.nn.Module()
-    names = [f"m{i}" for i in range(len(sizes))]
-    for name, n in zip(names, sizes):
-        setattr(parent, name, LoRALinear(32, n))
-        getattr(parent, name).weight.data = torch.randn(n, 32, generator=gen)
-    adapter = {}
-    for name, n in zip(names, sizes):
-        adapter[f"{name}.lora_A.weight"] = torch.randn(4, 32, generator=gen)
-        adapter[f"{name}.lora_B.weight"] = torch.randn(n, 4, generator=gen)
-    attach_lora(parent, adapter, 2.0)
-    members = [getattr(parent, name) for name in names]
+    members, p = lora_members(sizes, 32, 4, gen)
     x = torch.randn(3, 5, 32, generator=gen)
     want = torch.cat([m(x) for m in members], dim=-1)
-    p = FusedProjection(members).projection if len(members) > 1 else projection(members)
     if sizes == [768, 256, 8, 8]:
         assert p.groups == (0, 0, 0, 1) and p.lora_b.shape == (4, 256, 4) and p.lora_b_small.shape == (16, 8)
     torch.testing.assert_close(project(x, p), want, rtol=1e-5, atol=1e-5)  # fp32: scale folding only
@@ -169,27 +176,14 @@ def test_bf16x3_split_is_exact_across_magnitudes():
 
 @pytest.mark.parametrize("sizes", [[768, 256, 8, 8], [512, 512], [300]])
 def test_bf16x3_lora_equals_the_fp32_lora(sizes):
-    """lora_gemm="bf16x3": A(x) from exact products of bf16 x and the split A, B(h) from the 9
-    exact products of the split h and B; only the fp32 accumulation order differs from PEFT's
-    fp32 GEMMs. Checked on the delta itself (before the bf16 rounding hides it) and on the output."""
-    from valen_runtime.fast import FusedProjection
-    from valen_runtime.fused_layers import _split_lora_delta, project, projection, split_lora_factors
-    from valen_runtime.qwen35 import LoRALinear, attach_lora
+    """lora_gemm="bf16x3": A(x) from exact products of bf16 x and the split A, B(h) from the 8
+    exact piece products of the split h and B that reach fp32; only fp32 rounding differs from
+    PEFT's fp32 GEMMs. Checked on the delta itself (before the bf16 rounding hides it) and on the output."""
+    from valen_runtime.fused_layers import _split_lora_delta, project, split_lora_factors
 
     gen = torch.Generator().manual_seed(20 + len(sizes))
-    parent = torch.nn.Module()
-    names = [f"m{i}" for i in range(len(sizes))]
-    for name, n in zip(names, sizes):
-        setattr(parent, name, LoRALinear(64, n))
-        getattr(parent, name).weight.data = torch.randn(n, 64, generator=gen).to(torch.bfloat16)
-    adapter = {}
-    for name, n in zip(names, sizes):
-        adapter[f"{name}.lora_A.weight"] = torch.randn(8, 64, generator=gen) * 0.1
-        adapter[f"{name}.lora_B.weight"] = torch.randn(n, 8, generator=gen) * 0.1
-    attach_lora(parent, adapter, 2.0)
-    members = [getattr(parent, name) for name in names]
+    members, p = lora_members(sizes, 64, 8, gen, weight_dtype=torch.bfloat16, factor_scale=0.1)
     x = torch.randn(3, 5, 64, generator=gen).to(torch.bfloat16)
-    p = FusedProjection(members).projection if len(members) > 1 else projection(members)
     split = split_lora_factors(p)
     assert split.lora_a.dtype == torch.bfloat16 and split.lora_a.shape[0] == 3 * p.lora_a.shape[0]
     # PEFT's fp32 delta B(A(x)) * scale and the split one, both measured against fp64: the split
