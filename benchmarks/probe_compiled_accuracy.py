@@ -38,7 +38,7 @@ def fused_variant(export_dir: Path, device: str, compile_gdn: bool, compile_atte
     """Fused layers with each layer kind compiled or not (enable_fused_layers compiles both or neither)."""
     from valen_runtime import qwen35
     from valen_runtime.fast import enable_fast_paths, sdpa_attention
-    from valen_runtime.fused_layers import make_layer_fns
+    from valen_runtime.fused_layers import compile_layer_fn, make_layer_fns
     from valen_runtime.weights import load_model
 
     text = load_model(export_dir, device=device, dtype="bf16").text
@@ -46,12 +46,10 @@ def fused_variant(export_dir: Path, device: str, compile_gdn: bool, compile_atte
     core = sdpa_attention if attention == "sdpa" else qwen35.eager_attention
     impl = "fla" if str(enabled["gated_delta"]).startswith("fla") else "torch"
     gdn, att, *_ = make_layer_fns(text.config, core, impl)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    options = {"emulate_precision_casts": True}  # as enable_fused_layers
     if compile_gdn:
-        gdn = torch.compile(gdn, fullgraph=True, options=options)
+        gdn = compile_layer_fn(gdn)
     if compile_attention:
-        att = torch.compile(att, fullgraph=True, options=options)
+        att = compile_layer_fn(att)
     for layer in text.layers:
         layer.fused_forward.fn = gdn if layer.layer_type == "linear_attention" else att
     return text

@@ -241,8 +241,10 @@ class Engine:
         inputs = plan.upload(m.device)  # one host-to-device copy of every index the request needs
         if features is not None:
             inputs.append(features)
-        planned = {"request": self._planned_logits, "packed": self._packed_logits, "one-pass": self._one_pass_logits}[plan.kind]
-        forward = functools.partial(planned, plan.sizes)
+        if plan.kind == "request":
+            forward = functools.partial(self._planned_logits, plan.sizes)
+        else:
+            forward = functools.partial(self._packed_logits, plan.kind == "one-pass", plan.sizes)
         if self.graphs is None:
             (logits,) = forward(*inputs)
         else:
@@ -268,9 +270,7 @@ class Engine:
         N, tail = len(branches), P - cut
         image_index = torch.tensor([i for i, t in enumerate(st.mm_token_type_ids) if t == 1], dtype=torch.int64)
         if self.pack:
-            K = self.model.config.text_config.linear_conv_kernel_dim
-            one_pass = self.one_pass and cut >= K - 1  # the in-row prefix must hold a whole conv history
-            return self._plan_packed(compiled, branches, positions, next_pos, cut, image_index, one_pass)
+            return self._plan_packed(compiled, branches, positions, next_pos, cut, image_index)
         # Right padding is exact for the real tokens: every layer is causal, so a pad token never
         # influences an earlier position. Lengths round up to a multiple of 8 so graphs are reused.
         L = -(-(tail + max(len(br.suffix_ids) for br in branches)) // 8) * 8
@@ -296,7 +296,7 @@ class Engine:
         return self._head_logits(hidden.reshape(N * L, -1), head_index, C, N)
 
     def _plan_packed(self, compiled: CompiledRequest, branches, positions: torch.Tensor, next_pos: int, cut: int,
-                     image_index: torch.Tensor, one_pass: bool = False) -> "_Plan":
+                     image_index: torch.Tensor) -> "_Plan":
         """Branches as sequences [state tail | suffix] packed back to back in one row of T tokens
         (T rounded up to 8 with one extra pad sequence), each continuing the prefix state; with
         one_pass, the prefix's own cut rows lead the row (cut + T rows, one sweep)."""
@@ -304,6 +304,7 @@ class Engine:
         P = len(st.input_ids)
         tail = P - cut
         K = self.model.config.text_config.linear_conv_kernel_dim
+        one_pass = self.one_pass and cut >= K - 1  # the in-row prefix must hold a whole conv history
         lengths = [tail + len(br.suffix_ids) for br in branches]
         T = -(-sum(lengths) // 8) * 8
         pad = T - sum(lengths)
@@ -341,36 +342,29 @@ class Engine:
         head_index, C = _head_index(branches, starts, cut)
         # Every sequence length is part of the key: the varlen kernels' launch grids depend on them.
         sizes = (P, cut, T, C, len(image_index), len(branches), tuple(seq_lengths))
+        # The last part: one-pass, prefix_rows (its length marks the in-row prefix); else the cached
+        # prefix pass's positions.
+        prefix = torch.arange(cut) if one_pass else positions[:, None, :cut]
         parts = [torch.tensor([st.input_ids]), torch.tensor(suffix_ids, dtype=torch.int64), torch.tensor(source), rows_pos,
-                 image_index, head_index, seq_ids, offsets, taps, cu_seqlens, chunk_indices]
-        if one_pass:
-            parts.append(torch.arange(cut))  # prefix_rows: its length marks the in-row prefix
-        else:
-            parts.insert(1, positions[:, None, :cut])  # the cached prefix pass's positions
+                 image_index, head_index, seq_ids, offsets, taps, cu_seqlens, chunk_indices, prefix]
         kind = "one-pass" if one_pass else "packed"
         return _Plan(parts, sizes, [len(br.candidate_positions) for br in branches], kind=kind)
 
-    def _packed_logits(self, sizes, state_ids, prefix_pos, suffix_ids, source, rows_pos, image_index, head_index,
-                       seq_ids, offsets, taps, cu_seqlens, chunk_indices, features=None):
-        """`_planned_logits` for packed branches: one row of T tokens, no padding rows."""
+    def _packed_logits(self, one_pass: bool, sizes, state_ids, suffix_ids, source, rows_pos, image_index, head_index,
+                       seq_ids, offsets, taps, cu_seqlens, chunk_indices, prefix, features=None):
+        """`_planned_logits` for packed branches: one row of T tokens, no padding rows. `prefix` is
+        the cached prefix pass's positions [3, 1, cut], or with one_pass the in-row prefix's
+        `prefix_rows` [cut] (the row then holds cut + T tokens and the layers run once, no cache)."""
         text = self.model.text
         P, cut, T, C, _, N, _ = sizes
         embeds = self._state_embeds(state_ids, image_index, features)  # [1, P, H]
-        rows = torch.cat([embeds[0], text.embed(suffix_ids)])[source][None]  # [1, T, H]
-        cache = self._prefix_cache(embeds[:, :cut], prefix_pos) if cut > 0 else None
-        packing = Packing(seq_ids, offsets, taps, cu_seqlens, chunk_indices)
-        hidden = text(rows, rows_pos, cache=cache, packing=packing)  # [1, T, H]
-        return self._head_logits(hidden[0], head_index, C, N)
-
-    def _one_pass_logits(self, sizes, state_ids, suffix_ids, source, rows_pos, image_index, head_index,
-                         seq_ids, offsets, taps, cu_seqlens, chunk_indices, prefix_rows, features=None):
-        """`_packed_logits` with the prefix in the same row: one sweep of the layers, no cache."""
-        text = self.model.text
-        P, cut, T, C, _, N, _ = sizes
-        embeds = self._state_embeds(state_ids, image_index, features)  # [1, P, H]
-        rows = torch.cat([embeds[0], text.embed(suffix_ids)])[source][None]  # [1, cut + T, H]
-        packing = Packing(seq_ids, offsets, taps, cu_seqlens, chunk_indices, prefix_rows)
-        hidden = text(rows, rows_pos, packing=packing)  # [1, cut + T, H]
+        rows = torch.cat([embeds[0], text.embed(suffix_ids)])[source][None]  # [1, T or cut + T, H]
+        if one_pass:
+            cache, packing = None, Packing(seq_ids, offsets, taps, cu_seqlens, chunk_indices, prefix)
+        else:
+            cache = self._prefix_cache(embeds[:, :cut], prefix) if cut > 0 else None
+            packing = Packing(seq_ids, offsets, taps, cu_seqlens, chunk_indices)
+        hidden = text(rows, rows_pos, cache=cache, packing=packing)
         return self._head_logits(hidden[0], head_index, C, N)
 
     # Pieces of the device functions above (capturable: no host work).

@@ -22,11 +22,10 @@ own declared tolerance entry. The pure-PyTorch paths stay the CPU path and the f
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from typing import Callable
-
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -139,16 +138,14 @@ def fuse_projections(text_model, split_lora: bool = False) -> None:
     for layer in text_model.layers:
         if hasattr(layer, "linear_attn"):
             gdn = layer.linear_attn
-            fused = [FusedProjection([gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a])]
-            gdn.fused_in_proj = fused[0]
+            gdn.fused_in_proj = first = FusedProjection([gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a])
         else:
             att = layer.self_attn
-            fused = [FusedProjection([att.q_proj, att.k_proj, att.v_proj])]
-            att.fused_qkv = fused[0]
+            att.fused_qkv = first = FusedProjection([att.q_proj, att.k_proj, att.v_proj])
         layer.mlp.fused_gate_up = FusedProjection([layer.mlp.gate_proj, layer.mlp.up_proj])
         if split_lora:
-            for f in fused + [layer.mlp.fused_gate_up]:
-                f.projection = split_lora_factors(f.projection)
+            for fused in (first, layer.mlp.fused_gate_up):
+                fused.projection = split_lora_factors(fused.projection)
 
 
 class _CompiledOr:

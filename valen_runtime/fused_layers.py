@@ -459,23 +459,21 @@ class FusedLayer:
             state = cache.recurrent_states[i] if cache is not None else None
             if prev is None:  # a fresh sequence: zero history, as the padded conv and a zero state
                 prev, state = self._zero_history(B, x)
-            if packing is not None and packing.prefix_rows is not None:  # prefix and continuations, one pass
-                if self.tree_fn is None or cache is not None:
-                    raise ValueError("a one-pass packing needs this layer's tree form and no cache")
-                _dynamic(packing.prefix_rows, 0)
+            if packing is not None:
                 _dynamic(packing.conv_taps, 1)
                 _dynamic(packing.cu_seqlens, 0)
                 _dynamic(packing.chunk_indices, 0)
-                return self.tree_fn(x, prev, state, packing.conv_taps, packing.prefix_rows, packing.cu_seqlens,
-                                    packing.chunk_indices, self.weights)
-            if packing is not None:  # every packed sequence starts from the same (batch-1) history
+                if packing.prefix_rows is not None:  # prefix and continuations, one pass
+                    if self.tree_fn is None or cache is not None:
+                        raise ValueError("a one-pass packing needs this layer's tree form and no cache")
+                    _dynamic(packing.prefix_rows, 0)
+                    return self.tree_fn(x, prev, state, packing.conv_taps, packing.prefix_rows, packing.cu_seqlens,
+                                        packing.chunk_indices, self.weights)
                 if self.packed_fn is None:
                     raise ValueError("this fused layer has no packed form")
+                # Every packed sequence starts from the same (batch-1) history.
                 initial = state.expand(packing.cu_seqlens.shape[0] - 1, *state.shape[1:]).contiguous()
                 _dynamic(initial, 0)
-                _dynamic(packing.conv_taps, 1)
-                _dynamic(packing.cu_seqlens, 0)
-                _dynamic(packing.chunk_indices, 0)
                 return self.packed_fn(x, prev, initial, packing.conv_taps, packing.cu_seqlens, packing.chunk_indices, self.weights)
             _dynamic(prev, 0)
             _dynamic(state, 0)
@@ -497,21 +495,24 @@ class FusedLayer:
         return x
 
 
+def compile_layer_fn(fn: Callable) -> Callable:
+    """torch.compile one layer function the way the fused layers run it."""
+    # Each (batch 1 / batch N, with / without cached keys, LoRA / merged) combination is one
+    # compiled variant per function; the default limit of 8 would silently fall back to eager.
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 64)
+    # emulate_precision_casts: keep eager's bf16 roundings between fused ops.
+    return torch.compile(fn, fullgraph=True, options={"emulate_precision_casts": True})
+
+
 def enable_fused_layers(text_model, attention_core: Callable, delta_impl: str, compile: bool = True,
                         lora_gemm: str = "fp32") -> None:
     """Route every decoder layer through the (compiled) layer functions; lora_gemm="bf16x3" runs
     the FP32 LoRA factors as exact bf16 splits on tensor cores (bf16 models only)."""
     gdn_layer, attention_layer, gdn_layer_packed, gdn_layer_tree = make_layer_fns(text_model.config, attention_core, delta_impl)
     if compile:
-        # Each (batch 1 / batch N, with / without cached keys, LoRA / merged) combination is one
-        # compiled variant per function; the default limit of 8 would silently fall back to eager.
-        config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, 64)
-        options = {"emulate_precision_casts": True}  # keep eager's bf16 roundings between fused ops
-        gdn_layer = torch.compile(gdn_layer, fullgraph=True, options=options)
-        attention_layer = torch.compile(attention_layer, fullgraph=True, options=options)
-        gdn_layer_packed = torch.compile(gdn_layer_packed, fullgraph=True, options=options)
-        gdn_layer_tree = torch.compile(gdn_layer_tree, fullgraph=True, options=options)
+        gdn_layer, attention_layer, gdn_layer_packed, gdn_layer_tree = (
+            compile_layer_fn(fn) for fn in (gdn_layer, attention_layer, gdn_layer_packed, gdn_layer_tree))
     zeros: dict = {}  # one zero history per batch size for every layer
     for layer in text_model.layers:
         if layer.layer_type == "linear_attention":
