@@ -95,7 +95,6 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-file_sha256 = sha256_file  # one hashing helper for the repo (valen_runtime.safetensors_file)
 
 
 @dataclass
@@ -124,16 +123,16 @@ def _check_inputs(checkpoint: Path, base: Path) -> None:
 def reference_cache_key(checkpoint: Path, base: Path, device: str, dtype: str, requests: list[tuple[str, dict]], valen_source: str | None, threads: int | None) -> str:
     h = hashlib.sha256()
     parts = {
-        "checkpoint_sha256": file_sha256(checkpoint / "checkpoint.pt"),
+        "checkpoint_sha256": sha256_file(checkpoint / "checkpoint.pt"),
         "checkpoint_config": (checkpoint / "config.json").read_text(encoding="utf-8"),
-        "base_files": {p.name: file_sha256(p) if p.suffix != ".safetensors" else (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(base.iterdir()) if p.is_file()},
+        "base_files": {p.name: sha256_file(p) if p.suffix != ".safetensors" else (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(base.iterdir()) if p.is_file()},
         "device": device,
         "dtype": dtype,
         "valen_source": valen_source,
         "threads": threads,
         "requests": [req for _, req in requests],  # ids are labels only: results are remapped by position
         # The code that runs in the reference process: a change to it invalidates cached results.
-        "worker": {n: file_sha256(Path(__file__).resolve().parent / n) for n in WORKER_FILES},
+        "worker": {n: sha256_file(Path(__file__).resolve().parent / n) for n in WORKER_FILES},
     }
     h.update(json.dumps(parts, sort_keys=True, ensure_ascii=False).encode())
     return h.hexdigest()[:32]

@@ -26,8 +26,6 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-
-from valen_runtime.safetensors_file import sha256_file
 from torch import nn
 
 LORA_PREFIX = "backbone.language_model.base_model.model."
@@ -207,5 +205,3 @@ def question_logits(model: ValenReference, builder, prompt, device: str) -> list
         out.append(torch.cat(rows).float().cpu())
     return out
 
-
-file_sha256 = sha256_file  # one hashing helper for the repo (valen_runtime.safetensors_file)

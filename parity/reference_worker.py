@@ -29,6 +29,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from valen_runtime.safetensors_file import sha256_file  # noqa: E402
+
 torch.backends.cuda.matmul.allow_tf32 = False
 
 
@@ -99,7 +101,7 @@ def run_job(job: dict) -> dict:
     return {
         "origin": origin,
         "environment": env,
-        "checkpoint_sha256": reference.file_sha256(Path(job["checkpoint"]) / "checkpoint.pt"),
+        "checkpoint_sha256": sha256_file(Path(job["checkpoint"]) / "checkpoint.pt"),
         "checkpoint_config": {k: config.get(k) for k in ("stage", "lora_rank", "lora_alpha", "projection_dim", "max_length", "media_kwargs", "dtype")},
         "build_seconds": build_s,
         "results": results,

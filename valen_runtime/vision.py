@@ -38,7 +38,7 @@ class PatchEmbed(nn.Module):
         if self.as_linear:  # [N, P] @ [E, P]^T + b: the same products, cuBLAS instead of an implicit-GEMM conv
             return F.linear(pixel_values.to(device=w.device, dtype=w.dtype), w.view(w.shape[0], -1), self.proj.bias)
         x = pixel_values.view(-1, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)
-        return self.proj(x.to(device=self.proj.weight.device, dtype=self.proj.weight.dtype)).view(-1, self.embed_dim)
+        return self.proj(x.to(device=w.device, dtype=w.dtype)).view(-1, self.embed_dim)
 
 
 class VisionMLP(nn.Module):
