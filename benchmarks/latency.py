@@ -153,6 +153,8 @@ def main() -> None:
         # A/B: the prefix in the same packed row, one sweep of the layers instead of two.
         ("shared-prefix (fast + CUDA graphs, packed, one pass)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True, one_pass=True)),
         ("merged LoRA: shared-prefix (fast + CUDA graphs, packed, one pass)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True, one_pass=True, merged=True)),
+        # Both opt-ins together on the default (separate-LoRA) export.
+        ("shared-prefix (fast + CUDA graphs, packed, one pass, bf16x3 LoRA)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True, one_pass=True, lora_gemm="bf16x3")),
     ]
     if args.device != "cuda":
         configs = configs[:2]
