@@ -6,10 +6,10 @@ measures per request (compile + vision + text + head + answers, CUDA-synchronise
   process with flash-linear-attention blocked (benchmarks/reference_latency.py);
 - runtime per-branch (pure PyTorch, reference-shaped);
 - runtime shared-prefix: PyTorch kernels / fast kernels (FLA + SDPA) / fast kernels + CUDA graphs,
-  the merged-LoRA export, packed branches (after a prefix pass, or with the prefix in the same
-  row: one pass), the prefix cut at the state's end rather than on a
-  chunk boundary, the FP32 LoRA as bf16x3 splits on tensor cores, and the vision tower queued
-  after the request compile (A/Bs).
+  and the merged-LoRA export, in the engine's default layout; A/Bs: the batch and packed layouts
+  (a prefix pass, then the branches padded or packed) against the default one-pass, the prefix
+  cut at the state's end rather than on a chunk boundary, the FP32 LoRA as bf16x3 splits on
+  tensor cores, and the vision tower queued after the request compile.
 `--only TEXT` keeps the configurations whose label contains TEXT, `--skip-reference` drops the
 reference process (for A/B runs; the speed-ups need it).
 Reports median and p90, speed-up over the reference, the physical floor estimate and the ratio,
@@ -139,22 +139,19 @@ def main() -> None:
         ("shared-prefix (fast kernels)", dict(mode="shared-prefix", kernels="fast", graphs=False)),
         ("shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True)),
         ("merged LoRA: shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True, merged=True)),
+        # A/B for the layout (the default on CUDA is one-pass: the prefix in the packed row, one sweep of
+        # the layers): a prefix pass, then the branches as a right-padded batch or packed varlen.
+        ("shared-prefix (fast + CUDA graphs, batch layout)", dict(mode="shared-prefix", kernels="fast", graphs=True, layout="batch")),
+        ("merged LoRA: shared-prefix (fast + CUDA graphs, batch layout)", dict(mode="shared-prefix", kernels="fast", graphs=True, layout="batch", merged=True)),
+        ("shared-prefix (fast + CUDA graphs, packed layout)", dict(mode="shared-prefix", kernels="fast", graphs=True, layout="packed")),
         # A/B: the shared prefix cut at the state's end instead of the last 64-token chunk boundary
-        # (no state tail re-run per branch: branch rows (a) 840 -> 560, (c) 2016 -> 1568; but (b) becomes
-        # two passes instead of one; the delta rule's chunks no longer fall where the reference's do).
+        # (no state tail re-run per branch; but the delta rule's chunks no longer fall where the
+        # reference's do).
         ("shared-prefix (fast + CUDA graphs, prefix not chunk-aligned)", dict(mode="shared-prefix", kernels="fast", graphs=True, align_prefix=False)),
         # A/B: the separate FP32 LoRA as exact bf16 splits on tensor cores (lora_gemm="bf16x3").
         ("shared-prefix (fast + CUDA graphs, bf16x3 LoRA)", dict(mode="shared-prefix", kernels="fast", graphs=True, lora_gemm="bf16x3")),
         # A/B for Engine.run's overlap: the vision tower queued only after the whole request compile.
         ("shared-prefix (fast + CUDA graphs, vision after compile)", dict(mode="shared-prefix", kernels="fast", graphs=True, overlap_vision=False)),
-        # Opt-in: branches packed varlen in one row (no padding rows); not the default until measured.
-        ("shared-prefix (fast + CUDA graphs, packed branches)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True)),
-        ("merged LoRA: shared-prefix (fast + CUDA graphs, packed branches)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True, merged=True)),
-        # A/B: the prefix in the same packed row, one sweep of the layers instead of two.
-        ("shared-prefix (fast + CUDA graphs, packed, one pass)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True, one_pass=True)),
-        ("merged LoRA: shared-prefix (fast + CUDA graphs, packed, one pass)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True, one_pass=True, merged=True)),
-        # Both opt-ins together on the default (separate-LoRA) export.
-        ("shared-prefix (fast + CUDA graphs, packed, one pass, bf16x3 LoRA)", dict(mode="shared-prefix", kernels="fast", graphs=True, pack=True, one_pass=True, lora_gemm="bf16x3")),
     ]
     if args.device != "cuda":
         configs = configs[:2]
@@ -206,6 +203,7 @@ def main() -> None:
                 continue
             entry = stats(times)
             entry["kernels"] = engine.kernels
+            entry["layout"] = engine._plan(compiled).kind if kw["mode"] == "shared-prefix" else "per-branch"  # as run for this request
             entry["compile_ms"] = result.timings["compile_s"] * 1e3  # request parsing, tokenizer, image preprocessing (last run)
             if args.device == "cuda":
                 entry["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30

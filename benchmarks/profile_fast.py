@@ -99,7 +99,8 @@ def main() -> None:
     ap.add_argument("--tables", type=Path, default=None, help="write profiler tables here")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--requests", default="a_image448_7branch,b_text48_choice2,d_image1024_choice4,c_text2000_8q")
-    ap.add_argument("--configs", default="fast+graphs,fast+graphs merged,fast+graphs packed,fast+graphs merged packed")
+    ap.add_argument("--configs", default="fast+graphs,fast+graphs merged,fast+graphs batch,fast+graphs merged batch",
+                    help="comma-separated: fast[+graphs][ merged][ batch| packed] (layout: the engine default unless named)")
     args = ap.parse_args()
 
     from valen_export.export import export
@@ -123,11 +124,11 @@ def main() -> None:
     for config in args.configs.split(","):
         merged = " merged" in config
         graphs = config.startswith("fast+graphs")
-        pack = " packed" in config
+        layout = "packed" if " packed" in config else "batch" if " batch" in config else None
         model = load_model(exports["merged" if merged else "separate"], device="cuda", dtype="bf16")
         prompt = model.manifest.data["prompt"]
         compiler = Compiler.from_dir(model.manifest.root, max_length=prompt["max_length"], media_kwargs=prompt.get("media_kwargs") or {})
-        engine = Engine(model, compiler, mode="shared-prefix", kernels="fast", graphs=graphs, pack=pack)
+        engine = Engine(model, compiler, mode="shared-prefix", kernels="fast", graphs=graphs, layout=layout)
         for name in args.requests.split(","):
             req = reqs[name]
             t = time.perf_counter()

@@ -56,7 +56,7 @@ def run(
     kernels: str | None = None,
     graphs: bool | None = None,
     lora_gemm: str | None = None,
-    pack: str | None = None,
+    layout: str | None = None,
 ) -> dict:
     """The whole run; returns the report. Raises harness.UsageProblem for exit-2 problems."""
     import torch
@@ -101,7 +101,7 @@ def run(
     problems = harness.check_pins(pins_data, manifest, ref, base)
     if problems:
         raise harness.UsageProblem("; ".join(problems))
-    setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads, kernels, graphs, lora_gemm, pack)
+    setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads, kernels, graphs, lora_gemm, layout)
     previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -128,9 +128,9 @@ def run(
 @click.option("--kernels", type=click.Choice(["torch", "fast"]), default=None, help="Runtime kernels at the model's seams (default: the engine's choice: fast for CUDA shared-prefix, else torch).")
 @click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=None, help="Runtime CUDA-graph replay (default: the engine's choice: on for CUDA shared-prefix).")
 @click.option("--lora-gemm", type=click.Choice(["fp32", "bf16x3"]), default=None, help="How the fast path runs a separate FP32 LoRA (default fp32; bf16x3: exact bf16 splits on tensor cores, bf16 only).")
-@click.option("--pack", type=click.Choice(["off", "branches", "one-pass"]), default=None, help="Shared-prefix layout (default off: a right-padded batch of branches after a prefix pass; branches: packed varlen; one-pass: packed with the prefix in the same row).")
+@click.option("--layout", type=click.Choice(["batch", "packed", "one-pass"]), default=None, help="Shared-prefix layout (default: the engine's choice, one-pass on CUDA with flash-linear-attention, else batch). batch: a right-padded batch of branches after a prefix pass; packed: the branches varlen in one row; one-pass: the prefix in that same row.")
 @click.option("--reference-cache", type=click.Path(path_type=Path), default=None, help="Reuse reference results across runs (keyed by checkpoint/base/requests/dtype/device hashes).")
-def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, report_path, valen_source, tolerances_path, threads, kernels, graphs, lora_gemm, pack, reference_cache):
+def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, report_path, valen_source, tolerances_path, threads, kernels, graphs, lora_gemm, layout, reference_cache):
     """Compare the runtime on EXPORT with the Valen reference rebuilt from CHECKPOINT + BASE.
 
     \b
@@ -140,7 +140,7 @@ def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pin
     try:
         if mode is None:
             mode = "shared-prefix" if str(device).startswith("cuda") else "per-branch"
-        report = run(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, valen_source, tolerances_path, threads, reference_cache, kernels, graphs, lora_gemm, pack)
+        report = run(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, valen_source, tolerances_path, threads, reference_cache, kernels, graphs, lora_gemm, layout)
     except harness.UsageProblem as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -434,7 +434,7 @@ class Setup:
     kernels: str | None = None
     graphs: bool | None = None
     lora_gemm: str | None = None
-    pack: str | None = None  # "off" | "branches" | "one-pass" (Engine's pack / one_pass)
+    layout: str | None = None  # shared-prefix layout: "batch" | "packed" | "one-pass" (Engine's layout)
 
 
 def manifest_info(export: Path) -> tuple[dict, str]:
@@ -477,10 +477,8 @@ def evaluate(setup: Setup, requests: list[tuple[str, str, dict]], ref: Reference
     from valen_runtime.errors import RequestError, ValenError
 
     if engine is None:
-        options = {k: v for k, v in (("kernels", setup.kernels), ("graphs", setup.graphs), ("lora_gemm", setup.lora_gemm))
-                   if v is not None}
-        if setup.pack is not None:
-            options.update(pack=setup.pack != "off", one_pass=setup.pack == "one-pass")
+        options = {k: v for k, v in (("kernels", setup.kernels), ("graphs", setup.graphs), ("lora_gemm", setup.lora_gemm),
+                                     ("layout", setup.layout)) if v is not None}
         try:
             engine = Engine.load(setup.export, device=setup.device, dtype=setup.dtype, verify="size", mode=setup.mode, **options)
         except (ValenError, OSError, ValueError, TypeError) as e:
@@ -542,7 +540,7 @@ def build_report(setup: Setup, entries: list[dict], ref: ReferenceRun, tol: Tole
             "mode": setup.mode,
             "lora": manifest["lora"]["mode"],
             "threads": setup.threads,
-            "engine_options": {"kernels": setup.kernels, "graphs": setup.graphs, "lora_gemm": setup.lora_gemm, "pack": setup.pack},
+            "engine_options": {"kernels": setup.kernels, "graphs": setup.graphs, "lora_gemm": setup.lora_gemm, "layout": setup.layout},
         },
         "export_manifest_sha256": manifest_sha,
         "export": {"format": manifest.get("format"), "exporter": manifest.get("exporter"), "source": manifest.get("source"), "lora": manifest.get("lora")},

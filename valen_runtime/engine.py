@@ -28,6 +28,9 @@ from .vision import frame_lengths, grid_list
 from .weights import LoadedModel, load_model
 
 MODES = ("per-branch", "shared-prefix")
+# Shared-prefix layouts: a right-padded batch of branches after a prefix pass; the branches packed
+# varlen in one row after it; the prefix in that same row (one sweep of the layers).
+LAYOUTS = ("batch", "packed", "one-pass")
 CHUNK = 64  # the chunk size of the reference's gated delta rule
 
 
@@ -47,7 +50,7 @@ class _Plan:
     # row positions [3, N, L], image token indices [n_img], head rows [C + N + C]
     sizes: tuple  # (P, cut, N, L, C, n_img); packed and one-pass: (P, cut, T, C, n_img, N, sequence lengths)
     candidates_per_branch: list[int]
-    kind: str = "request"  # "request" (padded batch), "packed", "one-pass"
+    kind: str = "batch"  # the layout actually run: "batch", "packed", or "one-pass" (packed when the prefix is too short)
 
     def upload(self, device: torch.device) -> list[torch.Tensor]:
         """One copy (pinned, asynchronous on CUDA) of all parts, returned as views in order."""
@@ -83,9 +86,8 @@ class Engine:
         graphs: bool = False,
         align_prefix: bool = True,
         compile: bool | None = None,
-        pack: bool = False,
+        layout: str | None = None,
         lora_gemm: str = "fp32",
-        one_pass: bool = False,
     ):
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} is not one of {MODES}")
@@ -109,19 +111,21 @@ class Engine:
             self.kernels = enable_fast_paths(model.text, model.vision, dtype=model.dtype, compile=compile, lora_gemm=lora_gemm)
         elif lora_gemm != "fp32":
             raise ValueError("lora_gemm other than fp32 needs kernels='fast'")
-        # pack: the branches as varlen sequences in one row instead of a right-padded batch (no
-        # padding rows; needs the fused layers; on CUDA with graphs, FLA's varlen kernel).
-        self.pack = pack
-        # one_pass: the shared prefix rides in the same row as the packed branches (one sweep of the
-        # layers instead of a prefix pass and a branch pass; two delta-rule calls per GDN layer).
-        self.one_pass = one_pass
-        if one_pass and not pack:
-            raise ValueError("one_pass=True needs pack=True (the branches as packed sequences)")
-        if pack:
-            if mode != "shared-prefix" or self.kernels.get("layers", "modules") == "modules":
-                raise ValueError("pack=True needs mode='shared-prefix' and kernels='fast' (the fused layers)")
-            if graphs and not str(self.kernels.get("gated_delta")).startswith("fla"):
-                raise ValueError("pack=True with CUDA graphs needs flash-linear-attention's varlen kernel (bf16)")
+        # The packed layouts (no padding rows; "one-pass" also sweeps the layers once instead of
+        # twice) need the fused layers, and under CUDA graphs FLA's varlen kernel; where they can
+        # run on CUDA, "one-pass" is the default (docs/benchmarks.md, run 5).
+        fused = mode == "shared-prefix" and self.kernels.get("layers", "modules") != "modules"
+        fla = str(self.kernels.get("gated_delta")).startswith("fla")
+        if layout is None:
+            layout = "one-pass" if fused and fla and model.device.type == "cuda" else "batch"
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+        if layout != "batch":
+            if not fused:
+                raise ValueError(f"layout={layout!r} needs mode='shared-prefix' and kernels='fast' (the fused layers)")
+            if graphs and not fla:
+                raise ValueError(f"layout={layout!r} with CUDA graphs needs flash-linear-attention's varlen kernel (bf16)")
+        self.layout = layout
         # Start the vision tower from inside the request compile (Engine.run); only worth it where
         # the device runs asynchronously to the host.
         self.overlap_vision = model.device.type == "cuda"
@@ -143,9 +147,8 @@ class Engine:
         kernels: str | None = None,
         graphs: bool | None = None,
         compile: bool | None = None,
-        pack: bool = False,
+        layout: str | None = None,
         lora_gemm: str = "fp32",
-        one_pass: bool = False,
     ) -> "Engine":
         """Load an export.
 
@@ -155,8 +158,10 @@ class Engine:
         reference-faithful PyTorch path unless kernels="fast". compile=False keeps the fast path
         eager (no minute-long first request; slower after it). lora_gemm="bf16x3" runs the
         separate FP32 LoRA on tensor cores as exact bf16 splits (opt-in, bf16 only; see fast.py).
-        pack=True runs the branches as packed varlen sequences, and one_pass=True with it puts the
-        shared prefix in the same row (one sweep of the layers); both opt-in (docs/runtime.md).
+        layout (shared-prefix only): "batch" runs the branches as a right-padded batch after a
+        prefix pass, "packed" as varlen sequences in one row after it, "one-pass" with the prefix in
+        that same row (one sweep of the layers); default "one-pass" where it can run on CUDA (the
+        fused layers with flash-linear-attention), else "batch" (docs/runtime.md).
         """
         model = load_model(export_dir, device=device, dtype=dtype, verify=verify)
         prompt = model.manifest.data["prompt"]
@@ -168,8 +173,8 @@ class Engine:
             kernels = "fast" if cuda and mode == "shared-prefix" else "torch"
         if graphs is None:
             graphs = cuda and mode == "shared-prefix"
-        return cls(model, compiler, mode=mode, temperature=temperature, kernels=kernels, graphs=graphs, compile=compile, pack=pack,
-                   lora_gemm=lora_gemm, one_pass=one_pass)
+        return cls(model, compiler, mode=mode, temperature=temperature, kernels=kernels, graphs=graphs, compile=compile, layout=layout,
+                   lora_gemm=lora_gemm)
 
     # ---- pieces -------------------------------------------------------------------------
 
@@ -241,7 +246,7 @@ class Engine:
         inputs = plan.upload(m.device)  # one host-to-device copy of every index the request needs
         if features is not None:
             inputs.append(features)
-        if plan.kind == "request":
+        if plan.kind == "batch":
             forward = functools.partial(self._planned_logits, plan.sizes)
         else:
             forward = functools.partial(self._packed_logits, plan.kind == "one-pass", plan.sizes)
@@ -269,7 +274,7 @@ class Engine:
         branches = [br for q in compiled.questions for br in q.branches]
         N, tail = len(branches), P - cut
         image_index = torch.tensor([i for i, t in enumerate(st.mm_token_type_ids) if t == 1], dtype=torch.int64)
-        if self.pack:
+        if self.layout != "batch":
             return self._plan_packed(compiled, branches, positions, next_pos, cut, image_index)
         # Right padding is exact for the real tokens: every layer is causal, so a pad token never
         # influences an earlier position. Lengths round up to a multiple of 8 so graphs are reused.
@@ -298,13 +303,13 @@ class Engine:
     def _plan_packed(self, compiled: CompiledRequest, branches, positions: torch.Tensor, next_pos: int, cut: int,
                      image_index: torch.Tensor) -> "_Plan":
         """Branches as sequences [state tail | suffix] packed back to back in one row of T tokens
-        (T rounded up to 8 with one extra pad sequence), each continuing the prefix state; with
-        one_pass, the prefix's own cut rows lead the row (cut + T rows, one sweep)."""
+        (T rounded up to 8 with one extra pad sequence), each continuing the prefix state; in the
+        one-pass layout, the prefix's own cut rows lead the row (cut + T rows, one sweep)."""
         st = compiled.state
         P = len(st.input_ids)
         tail = P - cut
         K = self.model.config.text_config.linear_conv_kernel_dim
-        one_pass = self.one_pass and cut >= K - 1  # the in-row prefix must hold a whole conv history
+        one_pass = self.layout == "one-pass" and cut >= K - 1  # the in-row prefix must hold a whole conv history
         lengths = [tail + len(br.suffix_ids) for br in branches]
         T = -(-sum(lengths) // 8) * 8
         pad = T - sum(lengths)

@@ -116,11 +116,11 @@ def test_bf16x3_lora_and_one_pass_pass_the_shared_prefix_gate(tiny_fixture, tiny
     report_path = tmp_path / "r.json"
     code, out = _invoke(
         _args(tiny_fixture, tiny_export["separate"], "--case", "all", "--dtype", "bf16", "--mode", "shared-prefix", "--kernels", "fast",
-              "--lora-gemm", "bf16x3", "--pack", "one-pass", "--threads", THREADS, "--reference-cache", str(reference_cache), "--report", str(report_path))
+              "--lora-gemm", "bf16x3", "--layout", "one-pass", "--threads", THREADS, "--reference-cache", str(reference_cache), "--report", str(report_path))
     )
     assert code == 0, out
     report = json.loads(report_path.read_text(encoding="utf-8"))
-    assert report["setup"]["engine_options"]["lora_gemm"] == "bf16x3" and report["setup"]["engine_options"]["pack"] == "one-pass"
+    assert report["setup"]["engine_options"]["lora_gemm"] == "bf16x3" and report["setup"]["engine_options"]["layout"] == "one-pass"
     assert report["runtime"]["kernels"]["lora"] == "bf16x3 splits, tensor cores"
 
 

@@ -270,12 +270,13 @@ def test_fused_layers_match_module_path_cuda(tiny_export, dtype, compile, attent
 
 @pytest.mark.parametrize("dtype, atol", [("fp32", 2e-5), ("bf16", 0.15)])
 def test_packed_branches_equal_padded_branches_cpu(tiny_export, dtype, atol):
-    """pack=True: the branches as varlen sequences in one row (no padding rows). Same function as
+    """layout="packed": the branches as varlen sequences in one row (no padding rows). Same function as
     the padded batch: fp32 round-off only; bf16 within the shared-prefix bf16 bound above."""
     from valen_runtime.engine import Engine
 
     padded = Engine.load(tiny_export["separate"], device="cpu", dtype=dtype, mode="shared-prefix", kernels="fast")
-    packed = Engine.load(tiny_export["separate"], device="cpu", dtype=dtype, mode="shared-prefix", kernels="fast", pack=True)
+    assert padded.layout == "batch"  # the CPU default
+    packed = Engine.load(tiny_export["separate"], device="cpu", dtype=dtype, mode="shared-prefix", kernels="fast", layout="packed")
     per_branch = Engine.load(tiny_export["separate"], device="cpu", dtype=dtype, mode="per-branch")
     for request in (REQUEST, REQUEST_IMAGE_LONG):
         want, got, base = padded.run(request), packed.run(request), per_branch.run(request)
@@ -290,13 +291,13 @@ def test_packed_branches_equal_padded_branches_cpu(tiny_export, dtype, atol):
 
 @pytest.mark.parametrize("dtype, atol", [("fp32", 2e-5), ("bf16", 0.15)])
 def test_one_pass_equals_the_packed_prefix_pass_cpu(tiny_export, dtype, atol):
-    """one_pass=True: the prefix rides in the packed row (one sweep, two delta-rule calls per GDN
+    """layout="one-pass": the prefix rides in the packed row (one sweep, two delta-rule calls per GDN
     layer, a tree mask in attention). The same function as the prefix pass + packed branches."""
     from valen_runtime.engine import Engine
 
-    options = dict(device="cpu", dtype=dtype, mode="shared-prefix", kernels="fast", pack=True)
-    packed = Engine.load(tiny_export["separate"], **options)
-    one_pass = Engine.load(tiny_export["separate"], one_pass=True, **options)
+    options = dict(device="cpu", dtype=dtype, mode="shared-prefix", kernels="fast")
+    packed = Engine.load(tiny_export["separate"], layout="packed", **options)
+    one_pass = Engine.load(tiny_export["separate"], layout="one-pass", **options)
     per_branch = Engine.load(tiny_export["separate"], device="cpu", dtype=dtype, mode="per-branch")
     for request in (REQUEST, REQUEST_IMAGE_LONG):
         want, got, base = packed.run(request), one_pass.run(request), per_branch.run(request)
@@ -313,20 +314,21 @@ def test_one_pass_equals_the_packed_prefix_pass_cpu(tiny_export, dtype, atol):
         assert short.kind == "packed"
 
 
-def test_one_pass_needs_packing(tiny_export):
+def test_layout_is_checked(tiny_export):
     from valen_runtime.engine import Engine
 
-    with pytest.raises(ValueError, match="needs pack=True"):
-        Engine.load(tiny_export["separate"], device="cpu", mode="shared-prefix", kernels="fast", one_pass=True)
+    with pytest.raises(ValueError, match="layout 'tree' is not one of"):
+        Engine.load(tiny_export["separate"], device="cpu", mode="shared-prefix", kernels="fast", layout="tree")
 
 
-def test_pack_needs_the_fused_layers(tiny_export):
+@pytest.mark.parametrize("layout", ["packed", "one-pass"])
+def test_packed_layouts_need_the_fused_layers(tiny_export, layout):
     from valen_runtime.engine import Engine
 
     with pytest.raises(ValueError, match="fused layers"):
-        Engine.load(tiny_export["separate"], device="cpu", mode="shared-prefix", kernels="torch", pack=True)
+        Engine.load(tiny_export["separate"], device="cpu", mode="shared-prefix", kernels="torch", layout=layout)
     with pytest.raises(ValueError, match="fused layers"):
-        Engine.load(tiny_export["separate"], device="cpu", mode="per-branch", kernels="fast", pack=True)
+        Engine.load(tiny_export["separate"], device="cpu", mode="per-branch", kernels="fast", layout=layout)
 
 
 @pytest.mark.slow
@@ -336,7 +338,7 @@ def test_compiled_packed_branches_cpu(tiny_export):
     from valen_runtime.engine import Engine
 
     eager = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast")
-    compiled = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast", pack=True, compile=True)
+    compiled = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast", layout="packed", compile=True)
     for request in (REQUEST, REQUEST_IMAGE_LONG, REQUEST):
         for a, b in zip(eager.run(request).logits, compiled.run(request).logits):
             assert (a - b).abs().max().item() <= 2e-5, (a, b)
@@ -350,7 +352,7 @@ def test_compiled_one_pass_cpu(tiny_export):
 
     eager = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast")
     compiled = Engine.load(tiny_export["separate"], device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast",
-                           pack=True, one_pass=True, compile=True)
+                           layout="one-pass", compile=True)
     assert compiled._plan(compiled.compiler.compile(REQUEST_IMAGE_LONG)).kind == "one-pass"
     for a, b in zip(eager.run(REQUEST_IMAGE_LONG).logits, compiled.run(REQUEST_IMAGE_LONG).logits):
         assert (a - b).abs().max().item() <= 2e-5, (a, b)
