@@ -3,6 +3,7 @@
 #   run: bash benchmarks/gpu_run.sh   with carry [".whl"]; results land in $OUT.
 # Steps (STEPS="tests latency parity" by default; "profile" runs benchmarks/profile_fast.py, "probe"
 # benchmarks/probe_compiled_accuracy.py; each bounded so the call ends inside its 10-minute limit and writes what it has):
+#   (PROBE_ARGS adds probe options, e.g. --only contiguous)
 #   1. install the carried pinned stack into /tmp/site and fla-core into /tmp/site-fla (the
 #      reference's process drops the latter from PYTHONPATH and blocks the import),
 #   2. the gpu-marked tests (fast paths vs reference paths; TESTS_ARGS adds pytest options, e.g. -k NAME),
@@ -31,7 +32,7 @@ if [[ " $STEPS " == *" profile "* ]]; then
 fi
 
 if [[ " $STEPS " == *" probe "* ]]; then  # where compiled bf16 continuations lose accuracy (docs/parity.md)
-  timeout $(cap ${PROBE_TIMEOUT:-240}) python3 benchmarks/probe_compiled_accuracy.py --work "$WORK" --out "$OUT/probe.json" > "$OUT/probe.log" 2>&1
+  timeout $(cap ${PROBE_TIMEOUT:-240}) python3 benchmarks/probe_compiled_accuracy.py --work "$WORK" --out "$OUT/probe.json" ${PROBE_ARGS:-} > "$OUT/probe.log" 2>&1
   grep -E "prefix|Error" "$OUT/probe.log" | tail -12
 fi
 

@@ -5,7 +5,10 @@ Runs the inputs of tests/valen_runtime/test_fast.py::test_fused_layers_match_mod
 layers, each measured against the fp32 module path: the module path in bf16, the fused layers
 eager, everything compiled, only the GDN or only the attention layers compiled, compiled with the
 reference's attention formula instead of SDPA, and compiled with a contiguous (not expanded)
-cache. Prints one line per variant (mean / max error of the prefix and of the continuation) and
+cache; and, to tell a compiled GDN layer that writes a bad cache from one that reads a good cache
+badly, the GDN layers compiled for only the prefix or only the continuation. Run 4 (docs/parity.md)
+put the whole loss in the compiled GDN layers' continuation; `--only` picks variants by name
+(the undecided ones first). Prints one line per variant (mean / max error of the prefix and of the continuation) and
 writes them as JSON. A diagnosis tool, not a test.
 
     python benchmarks/probe_compiled_accuracy.py --out probe.json            # CUDA
@@ -34,8 +37,11 @@ def build_export(work: Path) -> Path:
     return out
 
 
-def fused_variant(export_dir: Path, device: str, compile_gdn: bool, compile_attention: bool, attention: str):
-    """Fused layers with each layer kind compiled or not (enable_fused_layers compiles both or neither)."""
+def fused_variant(export_dir: Path, device: str, compile_gdn: bool, compile_attention: bool, attention: str,
+                  swap_gdn_after_prefix: bool = False):
+    """Fused layers with each layer kind compiled or not (enable_fused_layers compiles both or neither).
+    swap_gdn_after_prefix: the GDN layers switch between eager and compiled after the prefix (see
+    `run`'s `between`). -> (text model, the callable to run between prefix and continuation or None)."""
     from valen_runtime import qwen35
     from valen_runtime.fast import enable_fast_paths, sdpa_attention
     from valen_runtime.fused_layers import compile_layer_fn, make_layer_fns
@@ -45,17 +51,21 @@ def fused_variant(export_dir: Path, device: str, compile_gdn: bool, compile_atte
     enabled = enable_fast_paths(text, dtype=torch.bfloat16, compile=False, fused_attention=attention)
     core = sdpa_attention if attention == "sdpa" else qwen35.eager_attention
     impl = "fla" if str(enabled["gated_delta"]).startswith("fla") else "torch"
-    gdn, att, *_ = make_layer_fns(text.config, core, impl)
-    if compile_gdn:
-        gdn = compile_layer_fn(gdn)
+    gdn_eager, att, *_ = make_layer_fns(text.config, core, impl)
+    gdn_compiled = compile_layer_fn(gdn_eager)
     if compile_attention:
         att = compile_layer_fn(att)
-    for layer in text.layers:
-        layer.fused_forward.fn = gdn if layer.layer_type == "linear_attention" else att
-    return text
+
+    def assign(gdn):
+        for layer in text.layers:
+            layer.fused_forward.fn = gdn if layer.layer_type == "linear_attention" else att
+
+    assign(gdn_compiled if compile_gdn else gdn_eager)
+    between = (lambda: assign(gdn_eager if compile_gdn else gdn_compiled)) if swap_gdn_after_prefix else None
+    return text, between
 
 
-def run(model, prefix, tails, device, contiguous_cache: bool = False):
+def run(model, prefix, tails, device, contiguous_cache: bool = False, between=None):
     def pos(b, start, n):
         return torch.arange(start, start + n, device=device).view(1, 1, -1).expand(3, b, -1).contiguous()
 
@@ -63,6 +73,8 @@ def run(model, prefix, tails, device, contiguous_cache: bool = False):
     cache = model.new_cache()
     with torch.no_grad():
         head = model(prefix.to(device, w), pos(1, 0, 64), cache)
+        if between is not None:
+            between()
         cont = cache.expand(3).clone() if contiguous_cache else cache.expand(3)
         tail = model(tails.to(device, w), pos(3, 64, 21), cont)
     return head.float(), tail.float()
@@ -73,6 +85,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--work", type=Path, default=None, help="where the tiny fixture and export go (default: a temporary folder)")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--only", action="append", default=[], help="run the variants whose name contains TEXT (repeatable)")
     args = ap.parse_args()
     from valen_runtime.weights import load_model
 
@@ -85,19 +98,26 @@ def main() -> None:
     tails = torch.randn(3, 21, H, generator=gen).to(torch.bfloat16)
     truth = run(load_model(export_dir, device=args.device, dtype="fp32").text, prefix, tails, args.device)
 
-    variants = {
-        "module path": lambda: (load_model(export_dir, device=args.device, dtype="bf16").text, False),
-        "fused, eager": lambda: (fused_variant(export_dir, args.device, False, False, "sdpa"), False),
-        "fused, all compiled": lambda: (fused_variant(export_dir, args.device, True, True, "sdpa"), False),
-        "fused, GDN layers compiled": lambda: (fused_variant(export_dir, args.device, True, False, "sdpa"), False),
-        "fused, attention layers compiled": lambda: (fused_variant(export_dir, args.device, False, True, "sdpa"), False),
-        "fused, all compiled, eager attention formula": lambda: (fused_variant(export_dir, args.device, True, True, "eager"), False),
-        "fused, all compiled, contiguous cache": lambda: (fused_variant(export_dir, args.device, True, True, "sdpa"), True),
+    def fused(compile_gdn, compile_attention, attention="sdpa", contiguous=False, swap=False):
+        return lambda: (*fused_variant(export_dir, args.device, compile_gdn, compile_attention, attention, swap), contiguous)
+
+    variants = {  # the undecided ones first (docs/parity.md, run 4)
+        "fused, GDN compiled, contiguous cache": fused(True, False, contiguous=True),
+        "fused, GDN compiled for the prefix only": fused(True, False, swap=True),
+        "fused, GDN compiled for the continuation only": fused(False, False, swap=True),
+        "module path": lambda: (load_model(export_dir, device=args.device, dtype="bf16").text, None, False),
+        "fused, eager": fused(False, False),
+        "fused, all compiled": fused(True, True),
+        "fused, GDN layers compiled": fused(True, False),
+        "fused, attention layers compiled": fused(False, True),
+        "fused, all compiled, eager attention formula": fused(True, True, "eager"),
     }
+    if args.only:
+        variants = {k: v for k, v in variants.items() if any(t in k for t in args.only)}
     report = {"device": args.device, "torch": torch.__version__, "variants": {}}
     for name, make in variants.items():
-        model, contiguous = make()
-        got = run(model, prefix, tails, args.device, contiguous_cache=contiguous)
+        model, between, contiguous = make()
+        got = run(model, prefix, tails, args.device, contiguous_cache=contiguous, between=between)
         row = {}
         for part, g, t in zip(("prefix", "continuation"), got, truth):
             err = (g - t).abs()
