@@ -50,7 +50,7 @@ class _Plan:
     # row positions [3, N, L], image token indices [n_img], head rows [C + N + C]
     sizes: tuple  # (P, cut, N, L, C, n_img); packed and one-pass: (P, cut, T, C, n_img, N, sequence lengths)
     candidates_per_branch: list[int]
-    kind: str = "batch"  # the layout actually run: "batch", "packed", or "one-pass" (packed when the prefix is too short)
+    kind: str = "batch"  # the layout actually run: "batch", "packed", or "one-pass" (batch when the prefix is too short)
 
     def upload(self, device: torch.device) -> list[torch.Tensor]:
         """One copy (pinned, asynchronous on CUDA) of all parts, returned as views in order."""
@@ -274,7 +274,10 @@ class Engine:
         branches = [br for q in compiled.questions for br in q.branches]
         N, tail = len(branches), P - cut
         image_index = torch.tensor([i for i, t in enumerate(st.mm_token_type_ids) if t == 1], dtype=torch.int64)
-        if self.layout != "batch":
+        # One-pass needs an in-row prefix holding a whole conv history (K-1 rows); without one (a
+        # state under 64 tokens: cut 0) the padded batch measured faster than packing (run 6, (b)).
+        K = self.model.config.text_config.linear_conv_kernel_dim
+        if self.layout == "packed" or (self.layout == "one-pass" and cut >= K - 1):
             return self._plan_packed(compiled, branches, positions, next_pos, cut, image_index)
         # Right padding is exact for the real tokens: every layer is causal, so a pad token never
         # influences an earlier position. Lengths round up to a multiple of 8 so graphs are reused.
@@ -309,7 +312,7 @@ class Engine:
         P = len(st.input_ids)
         tail = P - cut
         K = self.model.config.text_config.linear_conv_kernel_dim
-        one_pass = self.layout == "one-pass" and cut >= K - 1  # the in-row prefix must hold a whole conv history
+        one_pass = self.layout == "one-pass"  # _plan checked that the prefix holds a whole conv history
         lengths = [tail + len(br.suffix_ids) for br in branches]
         T = -(-sum(lengths) // 8) * 8
         pad = T - sum(lengths)

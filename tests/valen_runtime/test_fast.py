@@ -310,8 +310,7 @@ def test_one_pass_equals_the_packed_prefix_pass_cpu(tiny_export, dtype, atol):
     rows_pos = plan.parts[3]
     assert rows_pos.shape[-1] == cut + T  # the prefix's rows lead the packed row
     short = one_pass._plan(one_pass.compiler.compile(REQUEST))
-    if short.sizes[1] == 0:  # no chunk-aligned prefix to share: nothing rides along
-        assert short.kind == "packed"
+    assert short.sizes[1] == 0 and short.kind == "batch"  # no chunk-aligned prefix to share: the padded batch
 
 
 def test_layout_is_checked(tiny_export):
