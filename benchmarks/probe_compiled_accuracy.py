@@ -80,6 +80,36 @@ def run(model, prefix, tails, device, contiguous_cache: bool = False, between=No
     return head.float(), tail.float()
 
 
+def prefix_caches(export_dir: Path, device: str, prefix: torch.Tensor) -> dict:
+    """The cache each prefix pass leaves: fp32 module path (truth), eager and compiled fused GDN."""
+    from valen_runtime.weights import load_model
+
+    def pos(n):
+        return torch.arange(n, device=device).view(1, 1, -1).expand(3, 1, -1).contiguous()
+
+    caches = {}
+    truth = load_model(export_dir, device=device, dtype="fp32").text
+    caches["truth"] = truth.new_cache()
+    with torch.no_grad():
+        truth(prefix.to(device, torch.float32), pos(prefix.shape[1]), caches["truth"])
+        text, swap = fused_variant(export_dir, device, False, False, "sdpa", swap_gdn_after_prefix=True)
+        for name in ("eager", "compiled"):
+            caches[name] = text.new_cache()
+            text(prefix.to(device, torch.bfloat16), pos(prefix.shape[1]), caches[name])
+            swap()
+    return caches
+
+
+def cache_errors(caches: dict) -> dict:
+    """Per cache entry kind, mean / max |error| against the fp32 truth over the GDN layers."""
+    out = {}
+    for name in ("eager", "compiled"):
+        for kind in ("conv_states", "recurrent_states"):
+            errs = [(a.float() - t.float()).abs() for a, t in zip(getattr(caches[name], kind), getattr(caches["truth"], kind)) if t is not None]
+            out[f"{name} {kind}"] = {"mean": sum(e.mean().item() for e in errs) / len(errs), "max": max(e.max().item() for e in errs)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -125,6 +155,12 @@ def main() -> None:
         report["variants"][name] = row
         print(f"{name:46s} prefix {row['prefix']['mean']:.4f} / {row['prefix']['max']:.3f}   "
               f"continuation {row['continuation']['mean']:.4f} / {row['continuation']['max']:.3f}", flush=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    if not args.only or any(t in "prefix cache errors" for t in args.only):
+        # Which cache entry does the compiled prefix get wrong? (run 5: the loss follows the compiled prefix)
+        report["prefix cache errors"] = cache_errors(prefix_caches(export_dir, args.device, prefix))
+        for name, e in report["prefix cache errors"].items():
+            print(f"prefix cache, {name:30s} {e['mean']:.3g} / {e['max']:.3g}", flush=True)
         args.out.write_text(json.dumps(report, indent=2))
 
 
