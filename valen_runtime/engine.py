@@ -113,7 +113,7 @@ class Engine:
             raise ValueError("lora_gemm other than fp32 needs kernels='fast'")
         # The packed layouts (no padding rows; "one-pass" also sweeps the layers once instead of
         # twice) need the fused layers, and under CUDA graphs FLA's varlen kernel; where they can
-        # run on CUDA, "one-pass" is the default (docs/benchmarks.md, run 5).
+        # run on CUDA, "one-pass" is the default (docs/benchmarks.md, runs 5 and 6).
         fused = mode == "shared-prefix" and self.kernels.get("layers", "modules") != "modules"
         fla = str(self.kernels.get("gated_delta")).startswith("fla")
         if layout is None:
