@@ -109,15 +109,23 @@ def project(x: torch.Tensor, p: "Projection") -> torch.Tensor:
     if p.lora_a.dtype != torch.float32:  # the factors as exact bf16 splits (split_lora_factors)
         return (out + _split_lora_delta(x, p)).to(out.dtype)
     h = F.linear(x.float(), p.lora_a)  # [..., n*r]: every member's A(x)
-    r = p.lora_b.shape[-1]
+    delta = _grouped_lora_b(h, p, p.lora_b.shape[-1], lambda t: t, torch.bmm, F.linear)
+    return (out + delta).to(out.dtype)
+
+
+def _grouped_lora_b(h: torch.Tensor, p: "Projection", r: int, prepare: Callable, bmm: Callable, linear: Callable) -> torch.Tensor:
+    """Every member's B(A(x)) [..., N] from h = A(x) [..., n*r] fp32: the wide members as one
+    batched GEMM over their Nb-row blocks, the narrow trailing ones as one block-diagonal GEMM.
+    `prepare` lays an h piece out for the factors' form (identity, or the bf16x3 pairs) and
+    bmm / linear are the GEMMs that take it."""
     lead = h.shape[:-1]
     per_member = h.reshape(-1, h.shape[-1] // r, r)  # [M, n, r]
-    lhs = per_member[:, list(p.groups)].transpose(0, 1)  # [G, M, r]: each block's member
-    delta = torch.bmm(lhs, p.lora_b.transpose(1, 2)).transpose(0, 1).reshape(*lead, -1)  # [..., G*Nb]
+    lhs = prepare(per_member[:, list(p.groups)].transpose(0, 1))  # [G, M, r (or 8r)]: each block's member
+    delta = bmm(lhs, p.lora_b.transpose(1, 2)).transpose(0, 1).reshape(*lead, -1)  # [..., G*Nb]
     if p.lora_b_small is not None:  # trailing members too narrow to block (GDN's b and a: Hv rows)
         n_big = p.groups[-1] + 1
-        delta = torch.cat([delta, F.linear(h[..., n_big * r :], p.lora_b_small)], dim=-1)
-    return (out + delta).to(out.dtype)
+        delta = torch.cat([delta, linear(prepare(h[..., n_big * r :]), p.lora_b_small)], dim=-1)
+    return delta
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,15 +178,7 @@ def _split_lora_delta(x: torch.Tensor, p: "Projection") -> torch.Tensor:
     h3 = _linear_f32(x, p.lora_a)  # [..., 3*n*r]: x.A1 | x.A2 | x.A3
     h = (h3[..., :nr] + h3[..., nr : 2 * nr]) + h3[..., 2 * nr :]  # [..., n*r] = A(x), fp32
     r = p.lora_b.shape[-1] // len(_PAIRS)
-    lead = h.shape[:-1]
-    per_member = h.reshape(-1, nr // r, r)
-    lhs = _paired(split_bf16x3(per_member[:, list(p.groups)].transpose(0, 1)), 0)  # [G, M, 8r]
-    delta = _bmm_f32(lhs, p.lora_b.transpose(1, 2)).transpose(0, 1).reshape(*lead, -1)
-    if p.lora_b_small is not None:
-        n_big = p.groups[-1] + 1
-        small = _paired(split_bf16x3(h[..., n_big * r :]), 0)
-        delta = torch.cat([delta, _linear_f32(small, p.lora_b_small)], dim=-1)
-    return delta
+    return _grouped_lora_b(h, p, r, lambda t: _paired(split_bf16x3(t), 0), _bmm_f32, _linear_f32)
 
 
 def split_lora_factors(p: "Projection") -> "Projection":
