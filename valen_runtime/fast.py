@@ -68,18 +68,24 @@ def fla_chunk_gated_delta_rule(
     q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True, chunk_size=64
 ):
     """Shapes as `gated_delta.chunk_gated_delta_rule`: q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]."""
-    if not fla_available():
-        raise RuntimeError("flash-linear-attention is not importable on this machine")
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)  # in the activation dtype, as the pinned reference does
+    o, final = _run_fla(q, k, v, g, beta, initial_state, output_final_state)
+    return o.to(v.dtype), (final.float() if output_final_state else None)
+
+
+def _run_fla(q, k, v, g, beta, initial_state, output_final_state: bool, **varlen):
+    """FLA's chunked kernel on contiguous inputs (g and the state in fp32), q and k already
+    normalised; `varlen`: cu_seqlens and chunk_indices for packed sequences."""
+    if not fla_available():
+        raise RuntimeError("flash-linear-attention is not importable on this machine")
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
-    o, final = _FLA(
+    return _FLA(
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous(),
         scale=q.shape[-1] ** -0.5, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=False,
+        use_qk_l2norm_in_kernel=False, **varlen,
     )
-    return o.to(v.dtype), (final.float() if output_final_state else None)
 
 
 def fla_varlen_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices):
@@ -89,13 +95,7 @@ def fla_varlen_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, chu
     sync), and `cu_seqlens` is passed as a fresh view so FLA's identity-keyed memo of derived
     tensors recomputes them inside the graph instead of reusing a tensor it may later drop.
     """
-    if not fla_available():
-        raise RuntimeError("flash-linear-attention is not importable on this machine")
-    o, _ = _FLA(
-        q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous(),
-        scale=q.shape[-1] ** -0.5, initial_state=initial_state.float().contiguous(), output_final_state=False,
-        use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens.view(-1), chunk_indices=chunk_indices,
-    )
+    o, _ = _run_fla(q, k, v, g, beta, initial_state, False, cu_seqlens=cu_seqlens.view(-1), chunk_indices=chunk_indices)
     return o.to(v.dtype)
 
 
