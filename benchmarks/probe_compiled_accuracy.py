@@ -65,37 +65,34 @@ def fused_variant(export_dir: Path, device: str, compile_gdn: bool, compile_atte
     return text, between
 
 
-def run(model, prefix, tails, device, contiguous_cache: bool = False, between=None):
-    def pos(b, start, n):
-        return torch.arange(start, start + n, device=device).view(1, 1, -1).expand(3, b, -1).contiguous()
+def positions(batch: int, start: int, n: int, device) -> torch.Tensor:
+    """M-RoPE positions [3, batch, n] of text tokens start..start+n."""
+    return torch.arange(start, start + n, device=device).view(1, 1, -1).expand(3, batch, -1).contiguous()
 
+
+def run(model, prefix, tails, device, contiguous_cache: bool = False, between=None):
     w = model.embed_tokens.weight.dtype
     cache = model.new_cache()
     with torch.no_grad():
-        head = model(prefix.to(device, w), pos(1, 0, 64), cache)
+        head = model(prefix.to(device, w), positions(1, 0, 64, device), cache)
         if between is not None:
             between()
         cont = cache.expand(3).clone() if contiguous_cache else cache.expand(3)
-        tail = model(tails.to(device, w), pos(3, 64, 21), cont)
+        tail = model(tails.to(device, w), positions(3, 64, 21, device), cont)
     return head.float(), tail.float()
 
 
-def prefix_caches(export_dir: Path, device: str, prefix: torch.Tensor) -> dict:
-    """The cache each prefix pass leaves: fp32 module path (truth), eager and compiled fused GDN."""
-    from valen_runtime.weights import load_model
-
-    def pos(n):
-        return torch.arange(n, device=device).view(1, 1, -1).expand(3, 1, -1).contiguous()
-
+def prefix_caches(truth, export_dir: Path, device: str, prefix: torch.Tensor) -> dict:
+    """The cache each prefix pass leaves: the fp32 module path `truth`, eager and compiled fused GDN."""
     caches = {}
-    truth = load_model(export_dir, device=device, dtype="fp32").text
+    pos = positions(1, 0, prefix.shape[1], device)
     caches["truth"] = truth.new_cache()
     with torch.no_grad():
-        truth(prefix.to(device, torch.float32), pos(prefix.shape[1]), caches["truth"])
+        truth(prefix.to(device, torch.float32), pos, caches["truth"])
         text, swap = fused_variant(export_dir, device, False, False, "sdpa", swap_gdn_after_prefix=True)
         for name in ("eager", "compiled"):
             caches[name] = text.new_cache()
-            text(prefix.to(device, torch.bfloat16), pos(prefix.shape[1]), caches[name])
+            text(prefix.to(device, torch.bfloat16), pos, caches[name])
             swap()
     return caches
 
@@ -126,7 +123,8 @@ def main() -> None:
     # As the test: bf16 inputs, the fp32 run sees the same (rounded) values.
     prefix = torch.randn(1, 64, H, generator=gen).to(torch.bfloat16)
     tails = torch.randn(3, 21, H, generator=gen).to(torch.bfloat16)
-    truth = run(load_model(export_dir, device=args.device, dtype="fp32").text, prefix, tails, args.device)
+    truth_model = load_model(export_dir, device=args.device, dtype="fp32").text
+    truth = run(truth_model, prefix, tails, args.device)
 
     def fused(compile_gdn, compile_attention, attention="sdpa", contiguous=False, swap=False):
         return lambda: (*fused_variant(export_dir, args.device, compile_gdn, compile_attention, attention, swap), contiguous)
@@ -158,7 +156,7 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2))
     if not args.only or any(t in "prefix cache errors" for t in args.only):
         # Which cache entry does the compiled prefix get wrong? (run 5: the loss follows the compiled prefix)
-        report["prefix cache errors"] = cache_errors(prefix_caches(export_dir, args.device, prefix))
+        report["prefix cache errors"] = cache_errors(prefix_caches(truth_model, export_dir, args.device, prefix))
         for name, e in report["prefix cache errors"].items():
             print(f"prefix cache, {name:30s} {e['mean']:.3g} / {e['max']:.3g}", flush=True)
         args.out.write_text(json.dumps(report, indent=2))
