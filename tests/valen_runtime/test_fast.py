@@ -296,6 +296,17 @@ def test_fused_layers_match_module_path_cuda(tiny_export, dtype, compile, attent
             assert err_fast.max() <= 2 * err_ref.max() + 1e-2, (i, err_fast.max(), err_ref.max())
 
 
+def assert_same_function(want_engine, got_engine, per_branch, dtype: str, atol: float) -> None:
+    """got_engine's logits within atol of want_engine's and of the per-branch engine's, on both
+    test requests; the usage counts equal per-branch's."""
+    for request in (REQUEST, REQUEST_IMAGE_LONG):
+        want, got, base = want_engine.run(request), got_engine.run(request), per_branch.run(request)
+        for a, b, c in zip(want.logits, got.logits, base.logits):
+            assert (a - b).abs().max().item() <= atol, (dtype, a, b)
+            assert (c - b).abs().max().item() <= atol, (dtype, c, b)
+        assert got.response["usage"] == base.response["usage"]
+
+
 @pytest.mark.parametrize("dtype, atol", [("fp32", 2e-5), ("bf16", 0.15)])
 def test_packed_branches_equal_padded_branches_cpu(tiny_export, dtype, atol):
     """layout="packed": the branches as varlen sequences in one row (no padding rows). Same function as
@@ -306,12 +317,7 @@ def test_packed_branches_equal_padded_branches_cpu(tiny_export, dtype, atol):
     assert padded.layout == "batch"  # the CPU default
     packed = Engine.load(tiny_export["separate"], device="cpu", dtype=dtype, mode="shared-prefix", kernels="fast", layout="packed")
     per_branch = Engine.load(tiny_export["separate"], device="cpu", dtype=dtype, mode="per-branch")
-    for request in (REQUEST, REQUEST_IMAGE_LONG):
-        want, got, base = padded.run(request), packed.run(request), per_branch.run(request)
-        for a, b, c in zip(want.logits, got.logits, base.logits):
-            assert (a - b).abs().max().item() <= atol, (dtype, a, b)
-            assert (c - b).abs().max().item() <= atol, (dtype, c, b)
-        assert got.response["usage"] == base.response["usage"]
+    assert_same_function(padded, packed, per_branch, dtype, atol)
     plan = packed._plan(packed.compiler.compile(REQUEST_IMAGE_LONG))
     P, cut, T = plan.sizes[:3]
     assert plan.kind == "packed" and cut > 0 and T % 8 == 0 and sum(plan.sizes[-1]) == T  # one row, no padding rows but < 8
@@ -327,11 +333,7 @@ def test_one_pass_equals_the_packed_prefix_pass_cpu(tiny_export, dtype, atol):
     packed = Engine.load(tiny_export["separate"], layout="packed", **options)
     one_pass = Engine.load(tiny_export["separate"], layout="one-pass", **options)
     per_branch = Engine.load(tiny_export["separate"], device="cpu", dtype=dtype, mode="per-branch")
-    for request in (REQUEST, REQUEST_IMAGE_LONG):
-        want, got, base = packed.run(request), one_pass.run(request), per_branch.run(request)
-        for a, b, c in zip(want.logits, got.logits, base.logits):
-            assert (a - b).abs().max().item() <= atol, (dtype, a, b)
-            assert (c - b).abs().max().item() <= atol, (dtype, c, b)
+    assert_same_function(packed, one_pass, per_branch, dtype, atol)
     plan = one_pass._plan(one_pass.compiler.compile(REQUEST_IMAGE_LONG))
     P, cut, T = plan.sizes[:3]
     assert plan.kind == "one-pass" and cut > 0
