@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONHASHSEED := 0
 
-.PHONY: demo test test-fast test-slow parity-gate clean
+.PHONY: demo test test-fast test-slow parity-gate gpu-wheels clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test-slow: $(STAMP)
 # The CI parity gate: tiny fixture, both LoRA modes, fp32 and bf16, every built-in case.
 parity-gate: $(STAMP)
 	$(BIN)/python -m parity.gate build/parity-gate
+
+# Wheels the GPU machine lacks (pinned reference stack + fla-core), into .whl/ for benchmarks/gpu_run.sh.
+gpu-wheels:
+	bash benchmarks/fetch_gpu_wheels.sh
 
 clean:
 	rm -rf build .pytest_cache .hypothesis

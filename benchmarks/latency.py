@@ -38,7 +38,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from bench_requests import benchmark_requests  # noqa: E402
 
-# Physical floor (docs/benchmarks.md, ../shared/spec/performance.md): text linear weights 2.75 GB
+# Physical floor (docs/benchmarks.md): text linear weights 2.75 GB
 # streamed at 4.8 TB/s, 3.48 us of dense compute per token, ~0.7 ms of vision per 784 patches.
 WEIGHT_READ_S = 2.75e9 / 4.8e12
 COMPUTE_PER_TOKEN_S = 3.48e-6

@@ -4,7 +4,7 @@
   checkpoint and the base; it returns its own prompt token ids, pixel values and FP32 logits.
 - The runtime runs in this process through `valen_runtime.engine.Engine` on the export.
 - Probabilities, confidence, score and decision are computed here from each side's logits with the
-  same code (valen-format.md §10), so only the logits can make them differ.
+  same code (docs/valen-model.md), so only the logits can make them differ.
 - Token ids, positions, keys, usage and image grids must be equal; pixel values and the numbers
   within the declared tolerance (`parity.tolerances`).
 """

@@ -1,4 +1,4 @@
-"""Keep the fast-kernel packages out of the reference process (numerics-versions.md).
+"""Keep the fast-kernel packages out of the reference process (docs/numerics.md).
 
 transformers 5.4.0 swaps in flash-linear-attention (`fla`: chunked gated delta rule and the fused
 gated RMSNorm), `causal_conv1d`, hub `kernels` and `torchcodec` whenever they are importable. The

@@ -1,4 +1,4 @@
-"""The reference's prompt builder, written from valen-format.md §8 (not from valen_runtime.compile).
+"""The reference's prompt builder, written from docs/valen-model.md (not from valen_runtime.compile).
 
 It runs inside the reference process and uses the pinned stack's own processor:
 `processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=False,
@@ -7,7 +7,7 @@ for the state, and `processor.tokenizer.encode(text, add_special_tokens=False)` 
 segment. The runtime's compiler is a separate implementation (its own Jinja rendering, tokenizer
 and image pipeline); the harness compares the two token for token.
 
-Wire request -> Valen record, as the System1-Omni worker does it (native-contract.md §9.2):
+Wire request -> Valen record, as the System1-Omni worker does it (docs/wire-contract.md):
 - a string state is one user turn;
 - `{"image": data URL}` is decoded to a file (`input.png` / `input.jpg` in a request-scoped temp
   directory) and becomes a user turn holding one `image_url` item pointing at that file;
@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# valen/data/schema.py, byte for byte (valen-format.md §8.2).
+# valen/data/schema.py, byte for byte (docs/valen-model.md).
 NOUL_CANDIDATES = (
     ("true", "True / 是：满足问题中的条件。"),
     ("false", "False / 否：不满足问题中的条件。"),
@@ -148,7 +148,7 @@ def wire_to_state(state, media_dir: Path):
 
 
 def wire_candidates(question: dict) -> list[tuple[str, str]]:
-    """(key, description) pairs per valen-format.md §8.2."""
+    """(key, description) pairs per docs/valen-model.md"""
     kind = question.get("type")
     criteria = question.get("criteria")
     if kind == "noul":

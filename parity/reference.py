@@ -1,4 +1,4 @@
-"""The pinned Valen reference, rebuilt from the training checkpoint and the base (valen-format.md §7, §9).
+"""The pinned Valen reference, rebuilt from the training checkpoint and the base (docs/valen-model.md, §9).
 
 Never reads an export: exporter bugs must show up as parity failures. Import this module only in
 the reference process (`parity.reference_worker`), after `parity.isolation.install_blocker()`:
@@ -58,7 +58,7 @@ class ValenReference(nn.Module):
 
 
 def read_base_manifest(model_path: Path) -> dict | None:
-    """valen-format.md §6 lookup: valen_manifest.json, else exactly one *_manifest.json."""
+    """docs/valen-model.md lookup: valen_manifest.json, else exactly one *_manifest.json."""
     model_path = Path(model_path)
     named = model_path / "valen_manifest.json"
     if named.exists():

@@ -3,7 +3,7 @@
 Runs in its own interpreter so that nothing the runtime side imported (and no fast kernel) can
 leak into the reference. Order matters: the import blocker goes in before torch / transformers are
 imported, then TF32 matmul is switched off (PyTorch's default; cuDNN TF32 stays at PyTorch's
-default, as in the pinned environment: valen-format.md §12 row 7), then the model is built once
+default, as in the pinned environment: docs/valen-model.md), then the model is built once
 and every request of the job runs against it.
 
 Job file (JSON): {"checkpoint": dir, "base": dir, "device": "cpu"|"cuda", "dtype": "bf16"|"fp32",
@@ -67,7 +67,7 @@ def run_job(job: dict) -> dict:
         model, config, processor = reference.build_reference(Path(job["checkpoint"]), Path(job["base"]), device, dtype)
         builder = ReferencePromptBuilder(processor, max_length=config.get("max_length", 8192), media_kwargs=config.get("media_kwargs") or {})
         logits_fn = reference.question_logits
-        origin = {"kind": "rebuilt", "what": "parity.reference (valen-format.md §7-§10, from checkpoint.pt + base)"}
+        origin = {"kind": "rebuilt", "what": "parity.reference (docs/valen-model.md, from checkpoint.pt + base)"}
     build_s = time.perf_counter() - t0
     env = reference.environment(device, dtype)
     env["live_model"] = _model_kernels(model)

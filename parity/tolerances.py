@@ -1,7 +1,7 @@
 """Declared parity tolerances (`manifests/tolerances.json`): schema, validation, selection.
 
 One entry per LoRA mode x dtype x device x execution mode. Every entry states, before any
-comparison runs, what counts as a pass, and why (style.md §9). The harness reports every metric
+comparison runs, what counts as a pass, and why. The harness reports every metric
 and fails only on these.
 
 File layout (schema `valen-parity-tolerances/1`):

@@ -2,7 +2,7 @@
 `parity.reference` / `parity.prompt`.
 
 Only a checkout at exactly the pinned commit with no local changes is accepted. The adapter drives
-Valen's own code; module and function names are those of valen-format.md and are **presumed** for
+Valen's own code; module and function names are those of docs/valen-model.md and are **presumed** for
 750bfcfb (read at c24142cd / 06251f9d; no pinned checkout was available offline when this was
 written):
 
@@ -107,7 +107,7 @@ class ValenSource:
         self.commit = check_checkout(self.path)
 
     def describe(self) -> dict:
-        return {"kind": "valen-source", "path": str(self.path), "commit": self.commit, "api": "presumed (valen-format.md module names)"}
+        return {"kind": "valen-source", "path": str(self.path), "commit": self.commit, "api": "presumed (docs/valen-model.md module names)"}
 
     def build(self, checkpoint, base, device: str, dtype: str):
         """Returns (model, config, processor, builder) built by Valen's own code."""

@@ -9,7 +9,7 @@ What it does, in order (nothing is written to OUT before every check has passed)
    revision, then `checkpoint.pt`'s SHA-256 against `checkpoint.checkpoint_sha256` and a
    `torch.load(weights_only=True, mmap=True)` of it (the exporter's own reader, `open_checkpoint`).
 3. Base: the weight file names and hashes come from `payload["base_manifest"]["weight_sha256"]`
-   (valen-format.md §6), whose `revision` must equal the pinned base revision.
+   (docs/valen-model.md), whose `revision` must equal the pinned base revision.
    `snapshot_download` at that revision with `allow_patterns` limited to those weight files, the
    index, and the config / tokenizer / processor / chat-template files; every weight file is
    hashed against the payload.
@@ -280,7 +280,7 @@ def _read_json(path: Path, what: str) -> dict:
 
 
 def base_manifest(repo: str, folder: Path, payload_manifest: dict) -> dict:
-    """valen_manifest.json the way prepare_model.py writes it (valen-format.md §6)."""
+    """valen_manifest.json the way prepare_model.py writes it (docs/valen-model.md)."""
     config = _read_json(folder / "config.json", "base config.json")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     processor = None

@@ -1,6 +1,6 @@
 """`valen-verify`: re-hash an export and check it against the native loader's contract.
 
-Checks (../shared/spec/native-contract.md): every file's size and SHA-256; config.json values the
+Checks (docs/export-format.md): every file's size and SHA-256; config.json values the
 native `Config::load` requires; the language set (index lists exactly the existing language
 shards, BF16 only, exact names and shapes from config.json); the FP32 LoRA file's naming, rank,
 dtype, pairing and finiteness; the complete BF16 vision inventory; the FP32 head; the FP32
@@ -27,7 +27,7 @@ LORA_KEY = re.compile(r"^base_model\.model\.model\.language_model\.layers\.(\d+)
 
 
 def check_config(config: dict, where: str) -> list[str]:
-    """The native loader's config.json requirements (native-contract.md §3), shape-independent."""
+    """The native loader's config.json requirements (docs/export-format.md), shape-independent."""
     out = []
     tc = config.get("text_config", config)
 

@@ -1,4 +1,4 @@
-"""Head logits -> Valen answers and the response JSON (valen-format.md §10-§11).
+"""Head logits -> Valen answers and the response JSON (docs/valen-model.md).
 
 Arithmetic follows the reference `answer()`: FP32 softmax on the logits' device, Python floats,
 float64 renormalisation with a left-to-right sum, first maximum wins. Dict key order matches the

@@ -1,6 +1,6 @@
-"""Wire request -> token ids, pixels and readout positions (valen-format.md §8).
+"""Wire request -> token ids, pixels and readout positions (docs/valen-model.md).
 
-`Compiler.compile(request)` validates a /v1/systemone request (native-contract.md §9), builds the
+`Compiler.compile(request)` validates a /v1/systemone request (docs/wire-contract.md), builds the
 shared state prefix the way transformers 5.4.0's `apply_chat_template(..., tokenize=True)` does,
 and appends each branch's suffix segment by segment, recording candidate and decision positions.
 Nothing here runs a model; every expected failure is a RequestError naming the JSON path.
@@ -39,7 +39,7 @@ MAX_IMAGES = 16
 DEFAULT_MAX_LENGTH = 8192
 
 QUESTION_TYPES = ("choice", "noul", "score")
-# Fixed noul candidates, byte for byte as in Valen's schema.py (valen-format.md §8.2).
+# Fixed noul candidates, byte for byte as in Valen's schema.py (docs/valen-model.md).
 NOUL_CANDIDATES = (
     ("true", "True / \u662f\uff1a\u6ee1\u8db3\u95ee\u9898\u4e2d\u7684\u6761\u4ef6\u3002"),
     ("false", "False / \u5426\uff1a\u4e0d\u6ee1\u8db3\u95ee\u9898\u4e2d\u7684\u6761\u4ef6\u3002"),

@@ -25,7 +25,7 @@ from PIL import Image, ImageOps
 from .config import read_config_json
 from .errors import ConfigError, RequestError
 
-# Wire limits of the /v1/systemone worker (native-contract.md §9.1).
+# Wire limits of the /v1/systemone worker (docs/wire-contract.md).
 MAX_IMAGE_BYTES = 4 * 1024 * 1024
 MAX_PIXELS = 1_048_576
 MAX_SIDE = 2048

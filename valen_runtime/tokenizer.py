@@ -24,7 +24,7 @@ from .errors import ConfigError
 
 # transformers' PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES, in its order.
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-# Control tokens the /v1/systemone worker always refuses in user text (native-contract §9.2).
+# Control tokens the /v1/systemone worker always refuses in user text (docs/wire-contract.md).
 CONTROL_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
 
 

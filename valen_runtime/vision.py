@@ -2,7 +2,7 @@
 
 Parameter names equal the HF names with `model.visual.` stripped. Numerics follow 5.4.0's eager
 path: Conv3d patch embed on input cast to the weight dtype, learned position table bilinearly
-interpolated with weights rounded to the table dtype (5.4.0-specific, see numerics-versions.md),
+interpolated with weights rounded to the table dtype (5.4.0-specific, see docs/numerics.md),
 2-D rotary in fp32, bidirectional attention within each image (cu_seqlens split), exact-GELU
 merger. Image preprocessing (resize, normalise, patchify) and scattering the output into the text
 embeddings are left to other modules.

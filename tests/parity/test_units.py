@@ -14,7 +14,7 @@ import pytest
 from parity import cases, harness, isolation, prompt, valen_source
 
 
-# ---------------------------------------------------------------- §10 formulas (valen-format.md §13)
+# ---------------------------------------------------------------- §10 formulas (docs/valen-model.md)
 
 
 def test_score_worked_example():

@@ -1,4 +1,4 @@
-"""valen_runtime.answers: valen-format §10 formulas, §13 worked examples, response JSON (§11)."""
+"""valen_runtime.answers: the answer formulas, the worked examples and the response JSON of docs/valen-model.md."""
 
 import json
 from dataclasses import dataclass, field

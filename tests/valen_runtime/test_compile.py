@@ -1,5 +1,5 @@
-"""valen_runtime.compile: state prefix vs transformers 5.4.0, suffix segments per valen-format §8.5,
-request validation (native-contract §9) and a property test that nothing but RequestError escapes."""
+"""valen_runtime.compile: state prefix vs transformers 5.4.0, suffix segments per docs/valen-model.md,
+request validation (docs/wire-contract.md) and a property test that nothing but RequestError escapes."""
 
 import base64
 import hashlib
@@ -221,7 +221,7 @@ def test_messages_with_two_images_match_transformers(compiler, processor):
 
 
 def expected_branch(hf_encode, base, kind, instructions, items):
-    """Segments of valen-format §8.5, each encoded on its own by transformers' tokenizer."""
+    """Segments of docs/valen-model.md (prompt format), each encoded on its own by transformers' tokenizer."""
     suffix = hf_encode("<|im_start|>user\n")
     suffix += hf_encode(f"Task: {kind}\nQuestion: {instructions}\nCandidates:\n")
     positions = []

@@ -65,7 +65,7 @@ def test_accepts_lists_and_merge_size_4():
 
 
 def test_worked_example_from_spec():
-    """qwen35.md §4.5: 4 text, a 28 x 28 patch grid (196 tokens), vision_end, 42 text -> last position 60."""
+    """docs/numerics.md: 4 text, a 28 x 28 patch grid (196 tokens), vision_end, 42 text -> last position 60."""
     ids, types, grids = sequence([4, (1, 28, 28), 43])
     pos, next_position = rope_index(ids, types, grids, spatial_merge_size=2)
     assert len(ids) == 243 and next_position == 61 and next_position - len(ids) == -182

@@ -28,7 +28,7 @@ IMAGE_TOKEN = 12
 
 
 def tiny_hf_config() -> Qwen3_5Config:
-    """offline-testing.md §2: 4 text layers [L, L, L, F], hidden 64, mrope_section summing to 4."""
+    """4 text layers [L, L, L, F], hidden 64, mrope_section summing to 4."""
     text = dict(
         vocab_size=404, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
