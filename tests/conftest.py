@@ -12,6 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Hypothesis: "ci" (the default, and what `make test` selects) is derandomized with no example
+# database, so a run never depends on an earlier one; `make fuzz` selects "fuzz": random search,
+# many more examples, failures kept in .hypothesis/ for replay.
+settings.register_profile("ci", derandomize=True, database=None, max_examples=25, deadline=None, print_blob=True)
+settings.register_profile("fuzz", derandomize=False, max_examples=1000, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -102,3 +110,30 @@ def copy_tree(src: Path, dst: Path) -> Path:
 
     shutil.copytree(src, dst)
     return dst
+
+
+def fp32_roundoff_bound(fn, x: torch.Tensor, reduction_length: int, stages: int, draws: int = 3) -> float:
+    """How far two fp32 implementations of `fn` that differ only in rounding order may drift apart at x.
+
+    Derivation (no machine-specific constant): a length-n fp32 reduction carries a relative error of
+    about sqrt(n) * u (u = 2^-24; the probabilistic bound of Higham & Mary, 2019), and every stage
+    (layer) of `fn` adds such an error to what the next stages receive. We measure how `fn` itself
+    passes on one stage's worth of that error, by perturbing its input by sqrt(n) * u with random
+    signs, and allow it once per stage and per side: 2 * stages * the largest response seen. The
+    bound thus follows the computation's own conditioning on whatever CPU runs it.
+    """
+    scale = reduction_length**0.5 * 2.0**-24
+    gen = torch.Generator().manual_seed(0)
+    want = fn(x).double()
+    worst = 0.0
+    for _ in range(draws):
+        signs = torch.randint(0, 2, x.shape, generator=gen, dtype=torch.int8).to(x.dtype) * 2 - 1
+        got = fn(x * (1 + scale * signs)).double()
+        worst = max(worst, (got - want).abs().max().item())
+    return 2 * stages * worst
+
+
+@pytest.fixture()
+def roundoff_bound():
+    """fp32_roundoff_bound for tests that compare two fp32 implementations of one function."""
+    return fp32_roundoff_bound

@@ -6,6 +6,7 @@ stderr and exit 2; nothing half-written is left behind (the library guarantees t
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -23,6 +24,31 @@ def _log(msg: str) -> None:
     click.echo(msg, err=True)
 
 
+def _progress_bar(total: int | None, unit: str, desc: str):
+    """A tqdm bar on stderr when it is a terminal, else None (logs and pipes stay quiet)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=desc, file=sys.stderr)
+
+
+def _listed_bytes(export_dir: Path) -> int | None:
+    """Total size of the files an export's manifest lists (the bar's total), None if unreadable."""
+    from valen_runtime.manifest import Manifest
+
+    try:
+        return sum(int(rec.get("size") or 0) for rec in Manifest.load(export_dir).files.values())
+    except (ValenError, TypeError, ValueError):
+        return None
+
+
+def _shard_size(ctx, param, value: float) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise click.BadParameter(f"expected a finite number of GiB >= 0 (0 = one file, no index), got {value}")
+    return value
+
+
 @click.command(name="valen-fixture")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--preset", type=click.Choice(["tiny", "2b"]), default="tiny", show_default=True, help="tiny: seconds on CPU; 2b: Qwen3.5-2B shapes, random weights (~4.5 GB).")
@@ -38,10 +64,19 @@ def fixture_command(out: Path, preset: str, seed: int, rlcd: bool) -> None:
     """
     from .fixture import build_fixture
 
+    bar = _progress_bar(None, "tensor", f"fixture ({preset})")
+
+    def advance(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
     try:
-        fx = build_fixture(out, preset=preset, seed=seed, rlcd=rlcd)
+        fx = build_fixture(out, preset=preset, seed=seed, rlcd=rlcd, progress=advance if bar else None)
     except (ValenError, FileExistsError, ValueError) as e:
         _fail(e)
+    finally:
+        if bar:
+            bar.close()
     click.echo(f"base:       {fx.base}\ncheckpoint: {fx.checkpoint}\npins:       {fx.pins}")
 
 
@@ -51,7 +86,7 @@ def fixture_command(out: Path, preset: str, seed: int, rlcd: bool) -> None:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="New output directory (must not exist or be empty).")
 @click.option("--lora", "lora_mode", type=click.Choice(["separate", "merged"]), default="separate", show_default=True, help="Keep the FP32 LoRA in its own file, or merge it into the BF16 weights (FP32 accumulate, one rounding).")
 @click.option("--pins", "pins_path", type=click.Path(path_type=Path), default=None, help="Pins file (default: manifests/valen-preview-0923.json).")
-@click.option("--max-shard-size", "max_shard_gb", type=float, default=2.0, show_default=True, help="Language shard size in GiB; 0 writes a single model.safetensors without an index.")
+@click.option("--max-shard-size", "max_shard_gb", type=float, default=2.0, show_default=True, callback=_shard_size, help="Language shard size in GiB; 0 writes a single model.safetensors without an index.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
 def export_command(checkpoint_dir, base_dir, out, lora_mode, pins_path, max_shard_gb, progress) -> None:
     """Export Valen-Preview-0923 (checkpoint.pt + base) to native-ready safetensors.
@@ -77,7 +112,12 @@ def verify_command(export_dir: Path, no_rehash: bool) -> None:
     """Re-hash an export and check it against the native loader's contract; exit 0 only if all hold."""
     from .verify import verify_export
 
-    failures = verify_export(export_dir, rehash=not no_rehash)
+    bar = None if no_rehash else _progress_bar(_listed_bytes(export_dir), "B", "verify")
+    try:
+        failures = verify_export(export_dir, rehash=not no_rehash, on_bytes=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
     for line in failures:
         click.echo(f"FAIL {line}", err=True)
     if failures:

@@ -328,7 +328,11 @@ def export(
                     raise
                 sha, size = writer.close()
                 records[pf.name] = {"sha256": sha, "size": size}
-                log(f"wrote {pf.name} ({len(pf.tensors)} tensors, {size / 2**20:.1f} MiB)")
+                line = f"wrote {pf.name} ({len(pf.tensors)} tensors, {size / 2**20:.1f} MiB)"
+                if bar:
+                    bar.write(line, file=sys.stderr)  # printed above the bar instead of through it
+                else:
+                    log(line)
             if fragments["language"]["index"]:
                 weight_map = {t.name: pf.name for pf in files if pf.name in fragments["language"]["files"] for t in pf.tensors}
                 total_size = sum(pf.nbytes for pf in files if pf.name in fragments["language"]["files"])

@@ -158,10 +158,10 @@ def write_base(base: Path, preset: str, seed: int, progress=None) -> dict:
     gen = torch.Generator().manual_seed(seed)
     plan = base_tensor_plan(config)
     writer = StreamingWriter(base / BASE_WEIGHTS_FILE, plan, metadata={"format": "pt"})
-    for name, dtype, shape in plan:
+    for done, (name, dtype, shape) in enumerate(plan, 1):
         writer.write(name, _random_tensor(name, shape, gen).to(dtype))
         if progress:
-            progress(name)
+            progress(done, len(plan))
     digest, size = writer.close()
     index = {"metadata": {"total_size": size}, "weight_map": {name: BASE_WEIGHTS_FILE for name, _, _ in plan}}
     (base / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -299,7 +299,8 @@ def fixture_pins(config: dict, base_manifest: dict, checkpoint_sha: str, preset:
 
 
 def build_fixture(out: Path, preset: str = "tiny", seed: int = 0, rlcd: bool = False, progress=None) -> Fixture:
-    """Write OUT/base, OUT/checkpoint and OUT/pins.json. OUT must not exist or be empty."""
+    """Write OUT/base, OUT/checkpoint and OUT/pins.json. OUT must not exist or be empty.
+    progress(done, total) is called after each base tensor (the bulk of the time)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out}: exists and is not empty; choose a new directory")

@@ -102,12 +102,13 @@ def _check_inventory(sf_tensors: dict, expected: dict, dtype: str, where: str, f
             failures.append(f"{where}: {name} is {info.dtype}, expected {dtype}")
 
 
-def verify_export(export_dir: Path, rehash: bool = True) -> list[str]:
+def verify_export(export_dir: Path, rehash: bool = True, on_bytes=None) -> list[str]:
+    """Failure lines (empty when the export conforms); on_bytes(n) reports hashing progress."""
     try:
         m = Manifest.load(export_dir)
     except WeightsError as e:
         return [str(e)]
-    failures = m.check_files("full" if rehash else "size")
+    failures = m.check_files("full" if rehash else "size", on_bytes=on_bytes)
     if failures:
         return failures  # content checks on mismatched files would only repeat the problem
     root = m.root

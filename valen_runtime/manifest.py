@@ -189,8 +189,9 @@ class Manifest:
             raise WeightsError(f"{self.root / MANIFEST_NAME}: file {name!r} is not listed under 'files'")
         return safe_member(self.root, name, "file")
 
-    def check_files(self, verify: str = "size") -> list[str]:
-        """Check every listed file ('size' or 'full' = sizes + SHA-256); returns failure lines."""
+    def check_files(self, verify: str = "size", on_bytes=None) -> list[str]:
+        """Check every listed file ('size' or 'full' = sizes + SHA-256); returns failure lines.
+        on_bytes(n) reports hashing progress in bytes."""
         if verify not in ("none", "size", "full"):
             raise ValueError(f"verify must be none, size or full, got {verify!r}")
         failures = []
@@ -213,7 +214,7 @@ class Manifest:
                 failures.append(f"{p}: size {size} does not match the manifest's {rec.get('size')}")
                 continue
             if verify == "full":
-                digest = sha256_file(p)
+                digest = sha256_file(p, on_bytes=on_bytes)
                 if digest != rec.get("sha256"):
                     failures.append(f"{p}: sha256 {digest} does not match the manifest's {rec.get('sha256')}")
         listed = set(self.files) | {MANIFEST_NAME}

@@ -294,7 +294,8 @@ def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
     return True
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 8 * 1024 * 1024) -> str:
+def sha256_file(path: str | os.PathLike, chunk: int = 8 * 1024 * 1024, on_bytes=None) -> str:
+    """Hex SHA-256 of a file, read in chunks; on_bytes(n) is called after each chunk (progress)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while True:
@@ -302,4 +303,6 @@ def sha256_file(path: str | os.PathLike, chunk: int = 8 * 1024 * 1024) -> str:
             if not block:
                 break
             h.update(block)
+            if on_bytes is not None:
+                on_bytes(len(block))
     return h.hexdigest()

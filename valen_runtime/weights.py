@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .errors import WeightsError
+from .errors import ValenError, WeightsError
 from .head import DecisionHead
 from .manifest import Manifest
 from .qwen35 import TextModel, attach_lora
@@ -72,10 +72,27 @@ def _assign(module: torch.nn.Module, state: dict[str, torch.Tensor], where: str,
     module.load_state_dict(placed, strict=True, assign=True)
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device this machine has; otherwise a ValenError naming what is available."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValenError(f"device {str(device)!r} is not a device name (expected cpu, cuda or cuda:N): {e}") from None
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise ValenError(f"device {str(device)!r} is not supported (expected cpu, cuda or cuda:N)")
+    if not torch.cuda.is_available():
+        raise ValenError(f"device {str(device)!r} asked for, but CUDA is not available on this machine (torch {torch.__version__}); use --device cpu")
+    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValenError(f"device {str(device)!r} asked for, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return resolved
+
+
 def load_model(export_dir: str | Path, device: str | torch.device = "cpu", dtype: str = "bf16", verify: str = "size") -> LoadedModel:
     if dtype not in DTYPES:
         raise WeightsError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    device = torch.device(device)
+    device = resolve_device(device)
     manifest = Manifest.load(export_dir)
     manifest.require_files(verify)
     try:

@@ -595,7 +595,7 @@ requests_ = st.one_of(
 )
 
 
-@settings(max_examples=int(os.environ.get("VALEN_HYPOTHESIS_EXAMPLES", "50")), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(payload=requests_, as_bytes=st.booleans())
 def test_random_requests_compile_or_raise_request_error(folder, payload, as_bytes):
     compiler = _property_compiler(folder)

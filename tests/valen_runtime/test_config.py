@@ -53,7 +53,8 @@ def test_values_come_from_the_dict():
 
 
 def test_transformers_to_dict_round_trip():
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     d = tiny_dict()
     hf = transformers.Qwen3_5Config(
         text_config={k: v for k, v in d["text_config"].items() if k != "model_type"},
@@ -68,9 +69,7 @@ def test_transformers_to_dict_round_trip():
 
 
 def test_presumed_2b_config_loads(tmp_path):
-    path = REPO / "manifests" / "qwen3.5-2b.config.json"
-    if not path.exists():
-        pytest.skip("no presumed 2B config in this checkout")
+    path = REPO / "manifests" / "qwen3.5-2b.config.json"  # tracked: missing is a failure, not a skip
     cfg = ModelConfig.load(path, strict=True)
     t = cfg.text_config
     assert (t.hidden_size, t.num_hidden_layers, t.rotary_dim, t.rope_parameters.mrope_section) == (2048, 24, 64, (11, 11, 10))

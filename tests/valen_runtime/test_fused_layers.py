@@ -118,12 +118,19 @@ def test_delta_rule_op_equals_the_torch_rule_it_wraps():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
-def test_compiled_layers_match_module_path_cpu(tiny_export):
-    """torch.compile (inductor, C++ on the CPU) of the same functions; fp32."""
+def test_compiled_layers_match_module_path_cpu(tiny_export, roundoff_bound):
+    """torch.compile (inductor, C++ on the CPU) of the same functions; fp32.
+
+    Inductor's generated C++ vectorizes and reassociates reductions differently per CPU, so the
+    bound is the computation's own fp32 round-off (tests/conftest.py), not a fixed number."""
     reference, fused = pair(tiny_export["separate"], "fp32", compile=True)
+    config = reference.config
+    widest = max(config.hidden_size, config.intermediate_size)
     for batch, length, seed in ((1, 64, 6), (3, 21, 7)):
         embeds, pos = inputs(reference, batch, length, 0, seed=seed)
-        close(fused(embeds, pos), reference(embeds, pos), "fp32")
+        bound = roundoff_bound(lambda x: reference(x, pos), embeds, widest, stages=config.num_hidden_layers)
+        diff = (fused(embeds, pos) - reference(embeds, pos)).abs().max().item()
+        assert diff <= bound, (diff, bound)
 
 
 def lora_members(sizes, in_features: int, rank: int, gen, weight_dtype=torch.float32, factor_scale: float = 1.0):

@@ -38,7 +38,7 @@ CASES = {
 
 
 def hf_rope_index(ids, types, grids, merge):
-    hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
     # get_rope_index reads only config.vision_config.spatial_merge_size and get_vision_position_ids.
     fake = SimpleNamespace(
         config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=merge)),

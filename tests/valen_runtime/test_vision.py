@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (pinned: a hard requirement, never a skip)
 
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration  # noqa: E402
 

@@ -54,10 +54,9 @@ def test_unknown_dtype_is_refused(tiny_export):
         load_model(tiny_export["separate"], dtype="fp16")
 
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402
 
 
-@settings(max_examples=40, deadline=None)
 @given(
     dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64]),
     n=st.integers(0, 300),
