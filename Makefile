@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONHASHSEED := 0
 
-.PHONY: demo test test-fast test-slow parity-gate gpu-wheels clean
+.PHONY: demo test fuzz test-fast test-slow parity-gate gpu-wheels clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,12 +18,18 @@ $(STAMP): requirements.txt pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m valen_export.demo build/demo
 
+# Hypothesis runs derandomized with no example database in tests (profile "ci", tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu" tests
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -m "not gpu" tests
 	$(MAKE) parity-gate
 
+# Random search for people hunting bugs: the same properties, many more examples, failures kept
+# in .hypothesis/ and replayed first on the next `make fuzz`.
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -m "hypothesis and not gpu" tests
+
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not gpu and not slow" tests
+	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -m "not gpu and not slow" tests
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow" tests

@@ -43,12 +43,6 @@ def _listed_bytes(export_dir: Path) -> int | None:
         return None
 
 
-def _shard_size(ctx, param, value: float) -> float:
-    if not math.isfinite(value) or value < 0:
-        raise click.BadParameter(f"expected a finite number of GiB >= 0 (0 = one file, no index), got {value}")
-    return value
-
-
 @click.command(name="valen-fixture")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--preset", type=click.Choice(["tiny", "2b"]), default="tiny", show_default=True, help="tiny: seconds on CPU; 2b: Qwen3.5-2B shapes, random weights (~4.5 GB).")
@@ -71,11 +65,11 @@ def fixture_command(out: Path, preset: str, seed: int, rlcd: bool) -> None:
         bar.update(done - bar.n)
 
     try:
-        fx = build_fixture(out, preset=preset, seed=seed, rlcd=rlcd, progress=advance if bar else None)
+        fx = build_fixture(out, preset=preset, seed=seed, rlcd=rlcd, progress=advance if bar is not None else None)
     except (ValenError, FileExistsError, ValueError) as e:
         _fail(e)
     finally:
-        if bar:
+        if bar is not None:
             bar.close()
     click.echo(f"base:       {fx.base}\ncheckpoint: {fx.checkpoint}\npins:       {fx.pins}")
 
@@ -86,7 +80,7 @@ def fixture_command(out: Path, preset: str, seed: int, rlcd: bool) -> None:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="New output directory (must not exist or be empty).")
 @click.option("--lora", "lora_mode", type=click.Choice(["separate", "merged"]), default="separate", show_default=True, help="Keep the FP32 LoRA in its own file, or merge it into the BF16 weights (FP32 accumulate, one rounding).")
 @click.option("--pins", "pins_path", type=click.Path(path_type=Path), default=None, help="Pins file (default: manifests/valen-preview-0923.json).")
-@click.option("--max-shard-size", "max_shard_gb", type=float, default=2.0, show_default=True, callback=_shard_size, help="Language shard size in GiB; 0 writes a single model.safetensors without an index.")
+@click.option("--max-shard-size", "max_shard_gb", type=float, default=2.0, show_default=True, help="Language shard size in GiB; 0 writes a single model.safetensors without an index.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
 def export_command(checkpoint_dir, base_dir, out, lora_mode, pins_path, max_shard_gb, progress) -> None:
     """Export Valen-Preview-0923 (checkpoint.pt + base) to native-ready safetensors.
@@ -96,6 +90,8 @@ def export_command(checkpoint_dir, base_dir, out, lora_mode, pins_path, max_shar
     """
     from .export import export
 
+    if not math.isfinite(max_shard_gb) or max_shard_gb < 0:
+        _fail(ValueError(f"--max-shard-size: expected a finite number of GiB >= 0 (0 writes one file without an index), got {max_shard_gb}"))
     try:
         manifest = export(checkpoint_dir, base_dir, out, lora_mode=lora_mode, pins_path=pins_path,
                           max_shard_bytes=int(max_shard_gb * 1024**3), progress=progress, log=_log)
@@ -114,9 +110,9 @@ def verify_command(export_dir: Path, no_rehash: bool) -> None:
 
     bar = None if no_rehash else _progress_bar(_listed_bytes(export_dir), "B", "verify")
     try:
-        failures = verify_export(export_dir, rehash=not no_rehash, on_bytes=bar.update if bar else None)
+        failures = verify_export(export_dir, rehash=not no_rehash, on_bytes=bar.update if bar is not None else None)
     finally:
-        if bar:
+        if bar is not None:
             bar.close()
     for line in failures:
         click.echo(f"FAIL {line}", err=True)

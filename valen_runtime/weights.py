@@ -76,11 +76,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
     """`device` as a torch.device this machine has; otherwise a ValenError naming what is available."""
     try:
         resolved = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValenError(f"device {str(device)!r} is not a device name (expected cpu, cuda or cuda:N): {e}") from None
-    if resolved.type == "cpu":
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is not None and resolved.type == "cpu":
         return resolved
-    if resolved.type != "cuda":
+    if resolved is None or resolved.type != "cuda":
         raise ValenError(f"device {str(device)!r} is not supported (expected cpu, cuda or cuda:N)")
     if not torch.cuda.is_available():
         raise ValenError(f"device {str(device)!r} asked for, but CUDA is not available on this machine (torch {torch.__version__}); use --device cpu")

@@ -181,3 +181,10 @@ def test_verify_reports_each_failure(tiny_export, tmp_path):
     assert any("extra.bin: not listed" in ln for ln in fails)
     ok = CliRunner().invoke(verify_command, [str(tiny_export["merged"])])
     assert ok.exit_code == 0, ok.output
+
+
+@pytest.mark.parametrize("size", ["nan", "-1", "inf"])
+def test_bad_max_shard_size_is_one_line(work, tmp_path, size):
+    out = tmp_path / "out"
+    result = run_export(work / "checkpoint", work / "base", work / "pins.json", out, "--max-shard-size", size)
+    assert_refused(result, out, "--max-shard-size", "finite number of GiB >= 0")

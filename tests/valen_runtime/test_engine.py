@@ -149,3 +149,16 @@ def test_bf16x3_lora_engine_answers_like_the_fp32_lora_engine(tiny_export):
         torch.testing.assert_close(b, a, rtol=0, atol=0.02)
     with pytest.raises(ValueError, match="needs kernels='fast'"):
         Engine.load(tiny_export["separate"], device="cpu", dtype="bf16", lora_gemm="bf16x3")
+
+
+@pytest.mark.parametrize("device, phrase", [
+    ("tpu", "not supported"),
+    ("nonsense:x", "not supported"),
+    pytest.param("cuda", "CUDA is not available", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+])
+def test_valen_run_bad_device_is_one_line_exit_2(tiny_export, tmp_path, device, phrase):
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps(TEXT_REQUEST))
+    result = CliRunner().invoke(valen_run, ["--export", str(tiny_export["separate"]), "--device", device, str(req)])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and result.output.startswith("error:") and phrase in result.output, result.output
