@@ -39,7 +39,14 @@ def test_logits_follow_valen_formula_from_bf16_rows():
     # And the maths itself, in float64.
     h64 = hidden[0].double()
     want = (h64[positions] @ head.candidate.weight.double().T) @ (head.decision.weight.double() @ h64[decision_position]) / 4.0
-    torch.testing.assert_close(logits.double(), want, rtol=1e-5, atol=1e-6)  # fp32 round-off
+    # fp32 round-off, bounded a priori (Higham, Accuracy and Stability, Thm 3.5): each logit is a
+    # length-P sum of products of two length-H dot products, so its error is at most
+    # gamma_(2H+P) times the same expression evaluated on absolute values.
+    H, P = h64.shape[-1], head.decision.weight.shape[0]
+    u = 2.0**-24
+    gamma = (2 * H + P) * u / (1 - (2 * H + P) * u)
+    magnitude = (h64[positions].abs() @ head.candidate.weight.double().abs().T) @ (head.decision.weight.double().abs() @ h64[decision_position].abs()) / 4.0
+    assert ((logits.double() - want).abs() <= gamma * magnitude).all()
 
 
 @torch.no_grad()
