@@ -105,7 +105,13 @@ def test_patch_embed_as_linear_matches_the_conv():
     pixels = torch.randn(20, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(1))
     conv = vm.patch_embed(pixels)
     vm.patch_embed.as_linear = True
-    torch.testing.assert_close(vm.patch_embed(pixels), conv, rtol=1e-5, atol=1e-5)  # fp32 summation order only
+    # Same products summed in another order: each form is within gamma_n * sum|w x| + |b| of the
+    # exact value (n = the 1536 products per output), so they differ by at most twice that.
+    weight = vm.patch_embed.proj.weight.reshape(vm.patch_embed.proj.weight.shape[0], -1)
+    n = weight.shape[1]
+    gamma = n * 2.0**-24 / (1 - n * 2.0**-24)
+    magnitude = pixels.abs().double() @ weight.abs().double().T + vm.patch_embed.proj.bias.abs().double()
+    assert ((vm.patch_embed(pixels).double() - conv.double()).abs() <= 2 * gamma * magnitude).all()
 
 
 @torch.no_grad()
@@ -124,7 +130,7 @@ def test_encode_on_grid_tables_equals_forward():
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
 @torch.no_grad()
-def test_compiled_vision_blocks_match_the_modules_cpu():
+def test_compiled_vision_blocks_match_the_modules_cpu(roundoff_bound):
     """fast.compiled_vision_block: one torch.compile'd function for all blocks, fp32 (inductor's
     fused kernels reorder a few fp32 sums)."""
     from valen_runtime.fast import compiled_vision_block
@@ -136,4 +142,9 @@ def test_compiled_vision_blocks_match_the_modules_cpu():
         vm.run_block = None
         want = vm(pixels, grid)
         vm.run_block = compiled_vision_block()
-        torch.testing.assert_close(vm(pixels, grid), want, rtol=1e-4, atol=1e-5)
+        # Inductor's C++ reassociates sums per CPU: bounded by the tower's own fp32 round-off
+        # (tests/conftest.py), with one stage per block and the widest reduction (the MLP).
+        vm.run_block = None
+        bound = roundoff_bound(lambda x: vm(x, grid), pixels, vm.config.intermediate_size, stages=vm.config.depth)
+        vm.run_block = compiled_vision_block()
+        assert (vm(pixels, grid) - want).abs().max().item() <= bound
