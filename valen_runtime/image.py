@@ -80,8 +80,9 @@ class ImageConfig:
     def from_dict(cls, config: dict, media_kwargs: dict | None = None) -> "ImageConfig":
         """Build from a parsed preprocessor_config.json, then apply Valen's `media_kwargs`.
 
-        Mirrors 5.4.0: `min_pixels` / `max_pixels` (both present) override `size`; a lone one is
-        ignored in the file and in the call kwargs alike.
+        Mirrors 5.4.0: a `min_pixels` or `max_pixels` in the file overrides the matching `size`
+        edge, each on its own; in `media_kwargs` (call kwargs) they apply only as a pair, and a
+        lone one is ignored (`with_media_kwargs`).
         """
         size = config.get("size") or {}
         min_pixels = size.get("shortest_edge")
