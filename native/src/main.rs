@@ -1,9 +1,20 @@
 //! `valen-native-check EXPORT_DIR [--vectors FILE]`: exit 0 conforming, 1 not conforming
 //! (one line per problem on stdout), 2 usage.
 
-mod digest;
+mod check;
+mod config;
+mod files;
+mod head;
+mod json;
+mod language;
+mod lora;
+mod manifest;
 mod report;
 mod safetensors;
+mod shapes;
+mod sources;
+mod vectors;
+mod vision;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -73,7 +84,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let problems = report::Problems::default();
+    let mut problems = report::Problems::default();
+    let export = check::check_export(&args.export_dir, &mut problems);
+    if let (Some(vectors), Some(export)) = (&args.vectors, &export) {
+        vectors::check(vectors, export, &mut problems);
+    } else if args.vectors.is_some() {
+        problems.push("vectors not checked: the export's manifest or config.json could not be read");
+    }
     if problems.is_empty() {
         println!("{}: conforms to valen-native/1", args.export_dir.display());
         ExitCode::SUCCESS

@@ -10,8 +10,8 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 use serde_json::Value;
 
-/// Headers larger than this are refused (the reference implementation uses the same cap).
-const MAX_HEADER_LEN: u64 = 100 * 1024 * 1024;
+use crate::json;
+
 
 /// Element types a safetensors header may name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,12 +101,6 @@ pub struct TensorInfo {
     pub end: usize,
 }
 
-impl TensorInfo {
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-}
-
 /// A parsed header: tensors by name, the `__metadata__` map, and where data starts.
 #[derive(Debug, Default)]
 pub struct Header {
@@ -119,13 +113,14 @@ impl Header {
     /// Parses and validates the header of a whole safetensors file held in `bytes`:
     /// known dtypes, byte ranges that match `shape x dtype`, and ranges that tile the
     /// data section exactly (no gap, no overlap, nothing after the last tensor).
-    pub fn parse(bytes: &[u8]) -> Result<Header, String> {
+    /// `max_header_len` caps N, the JSON header's length.
+    pub fn parse(bytes: &[u8], max_header_len: u64) -> Result<Header, String> {
         if bytes.len() < 8 {
             return Err(format!("file is {} bytes, shorter than the 8-byte header length", bytes.len()));
         }
         let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap());
-        if header_len > MAX_HEADER_LEN {
-            return Err(format!("header length {header_len} exceeds {MAX_HEADER_LEN} bytes"));
+        if header_len > max_header_len {
+            return Err(format!("header length {header_len} exceeds {max_header_len} bytes"));
         }
         let data_start = 8 + header_len as usize;
         if data_start > bytes.len() {
@@ -136,8 +131,7 @@ impl Header {
         }
         let text = std::str::from_utf8(&bytes[8..data_start])
             .map_err(|e| format!("header is not UTF-8: {e}"))?;
-        let json: Value =
-            serde_json::from_str(text).map_err(|e| format!("header is not JSON: {e}"))?;
+        let json = json::parse_strict(text).map_err(|e| format!("header is not valid JSON: {e}"))?;
         let entries = json.as_object().ok_or("header is not a JSON object")?;
 
         let mut header = Header { data_start, ..Header::default() };
@@ -184,6 +178,10 @@ fn parse_metadata(value: &Value) -> Result<BTreeMap<String, String>, String> {
 }
 
 fn parse_entry(value: &Value) -> Result<TensorInfo, String> {
+    let fields = value.as_object().ok_or("entry is not an object")?;
+    if let Some(extra) = fields.keys().find(|k| !["dtype", "shape", "data_offsets"].contains(&k.as_str())) {
+        return Err(format!("unexpected field {extra:?} (an entry holds dtype, shape, data_offsets)"));
+    }
     let dtype_name = value.get("dtype").and_then(Value::as_str).ok_or("missing string dtype")?;
     let dtype = Dtype::parse(dtype_name).ok_or_else(|| format!("unknown dtype {dtype_name}"))?;
     let shape = usize_list(value.get("shape"), "shape")?;
@@ -226,7 +224,7 @@ pub struct MappedFile {
 }
 
 impl MappedFile {
-    pub fn open(path: &Path) -> Result<MappedFile, String> {
+    pub fn open(path: &Path, max_header_len: u64) -> Result<MappedFile, String> {
         let file = File::open(path).map_err(|e| format!("cannot open: {e}"))?;
         let len = file.metadata().map_err(|e| format!("cannot stat: {e}"))?.len();
         if len < 8 {
@@ -235,7 +233,7 @@ impl MappedFile {
         }
         // SAFETY: the export is read-only input; nothing in this process writes the file.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot memory-map: {e}"))?;
-        let header = Header::parse(&mmap)?;
+        let header = Header::parse(&mmap, max_header_len)?;
         Ok(MappedFile { mmap, header })
     }
 
@@ -258,6 +256,26 @@ impl MappedFile {
         }
         let row_bytes = (info.end - info.begin) / rows;
         decode_f32(info.dtype, &self.bytes(info)[row * row_bytes..(row + 1) * row_bytes])
+    }
+}
+
+/// Index of the first NaN or infinity in little-endian floating-point bytes, if any.
+pub fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Option<usize> {
+    // Non-finite means an all-ones exponent field.
+    match dtype {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .position(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000),
+        Dtype::BF16 => {
+            bytes.chunks_exact(2).position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 == 0x7f80)
+        }
+        Dtype::F16 => {
+            bytes.chunks_exact(2).position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00)
+        }
+        Dtype::F64 => bytes.chunks_exact(8).position(|b| {
+            !f64::from_le_bytes(b.try_into().unwrap()).is_finite()
+        }),
+        _ => None,
     }
 }
 
@@ -316,7 +334,7 @@ pub mod tests {
             &[("a", "F32", &[2, 3], &a), ("b", "BF16", &[1], &b)],
             Some(serde_json::json!({"format": "pt"})),
         );
-        let header = Header::parse(&bytes).unwrap();
+        let header = Header::parse(&bytes, 1 << 20).unwrap();
         assert_eq!(header.metadata["format"], "pt");
         let info = &header.tensors["a"];
         assert_eq!((info.dtype, info.shape.clone(), info.begin, info.end), (Dtype::F32, vec![2, 3], 0, 24));
@@ -337,25 +355,50 @@ pub mod tests {
     #[test]
     fn refuses_size_mismatch() {
         let bytes = build(&[("a", "F32", &[2], &[0u8; 4])], None);
-        let err = Header::parse(&bytes).unwrap_err();
+        let err = Header::parse(&bytes, 1 << 20).unwrap_err();
         assert!(err.contains("tensor a") && err.contains("needs 8"), "{err}");
     }
 
     #[test]
     fn refuses_unknown_dtype_and_trailing_bytes() {
         let bytes = build(&[("a", "F12", &[1], &[0u8; 4])], None);
-        assert!(Header::parse(&bytes).unwrap_err().contains("unknown dtype F12"));
+        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("unknown dtype F12"));
         let mut bytes = build(&[("a", "F32", &[1], &[0u8; 4])], None);
         bytes.push(0);
-        assert!(Header::parse(&bytes).unwrap_err().contains("file holds 5"));
+        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("file holds 5"));
+    }
+
+    #[test]
+    fn refuses_extra_entry_fields_repeated_keys_and_big_headers() {
+        let text = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":1}}"#;
+        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(text.as_bytes());
+        bytes.push(0);
+        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("unexpected field \"x\""));
+        assert!(Header::parse(&bytes, 16).unwrap_err().contains("exceeds 16"));
+        let text = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(text.as_bytes());
+        bytes.push(0);
+        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("repeated key"));
+    }
+
+    #[test]
+    fn finds_non_finite_values() {
+        let f32s = f32_bytes(&[1.0, f32::MAX, f32::INFINITY]);
+        assert_eq!(first_non_finite(Dtype::F32, &f32s), Some(2));
+        assert_eq!(first_non_finite(Dtype::F32, &f32_bytes(&[0.0, -0.0, f32::MIN])), None);
+        // BF16: 0x7f7f is the largest finite value, 0x7fc0 a NaN, 0xff80 -inf.
+        assert_eq!(first_non_finite(Dtype::BF16, &[0x7f, 0x7f, 0xc0, 0x7f]), Some(1));
+        assert_eq!(first_non_finite(Dtype::BF16, &[0x80, 0xff]), Some(0));
     }
 
     #[test]
     fn refuses_truncated_header() {
-        assert!(Header::parse(&[1, 0, 0]).is_err());
+        assert!(Header::parse(&[1, 0, 0], 1 << 20).is_err());
         let mut bytes = 1000u64.to_le_bytes().to_vec();
         bytes.extend_from_slice(b"{}");
-        assert!(Header::parse(&bytes).unwrap_err().contains("past the end"));
+        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("past the end"));
     }
 
     #[test]
@@ -364,6 +407,6 @@ pub mod tests {
         let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
         bytes.extend_from_slice(text.as_bytes());
         bytes.extend_from_slice(&[0; 3]);
-        assert!(Header::parse(&bytes).unwrap_err().contains("gap or overlap"));
+        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("gap or overlap"));
     }
 }
