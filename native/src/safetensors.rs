@@ -138,6 +138,8 @@ impl Header {
         for (name, entry) in entries {
             if name == "__metadata__" {
                 header.metadata = parse_metadata(entry)?;
+            } else if name.is_empty() {
+                return Err("a tensor entry has an empty name".into());
             } else {
                 let info = parse_entry(entry).map_err(|e| format!("tensor {name}: {e}"))?;
                 header.tensors.insert(name.clone(), info);
@@ -361,6 +363,8 @@ pub mod tests {
 
     #[test]
     fn refuses_unknown_dtype_and_trailing_bytes() {
+        let bytes = build(&[("", "F32", &[1], &[0u8; 4])], None);
+        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("empty name"));
         let bytes = build(&[("a", "F12", &[1], &[0u8; 4])], None);
         assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("unknown dtype F12"));
         let mut bytes = build(&[("a", "F32", &[1], &[0u8; 4])], None);

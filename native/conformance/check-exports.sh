@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs valen-native-check on good exports (must pass, vectors included) and on damaged
 # copies (each must be refused with the expected line).
-#   tests/check-exports.sh CHECKER DIR
+#   conformance/check-exports.sh CHECKER DIR
 # DIR holds exports separate/, merged/, single/ and their *.vectors.json (see README.md).
 set -u
 checker=$1 dir=$2
