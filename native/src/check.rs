@@ -32,7 +32,11 @@ pub fn check_export(dir: &Path, problems: &mut Problems) -> Option<Export> {
     files::check(dir, &manifest, problems);
     let config = read_config(dir, problems)?;
 
-    let shards = manifest.language.files.iter().filter_map(|f| open(dir, f, MAX_HEADER, problems).map(|m| (f.clone(), m)));
+    let shards = manifest
+        .language
+        .files
+        .iter()
+        .filter_map(|f| open(dir, f, MAX_HEADER, problems).map(|m| (f.clone(), m)));
     let language = language::collect(shards.collect(), problems);
     let language_table = shapes::language(&config);
     language::check(dir, &manifest, &language_table, &language, problems);
@@ -54,7 +58,14 @@ pub fn check_export(dir: &Path, problems: &mut Problems) -> Option<Export> {
             sources::check(&manifest, &language_table, &language, &file, problems);
         }
     }
-    Some(Export { manifest_sha256, manifest, config, language, adapter, head: head_file })
+    Some(Export {
+        manifest_sha256,
+        manifest,
+        config,
+        language,
+        adapter,
+        head: head_file,
+    })
 }
 
 fn read_manifest(dir: &Path, problems: &mut Problems) -> Option<(Manifest, String)> {
@@ -63,22 +74,38 @@ fn read_manifest(dir: &Path, problems: &mut Problems) -> Option<(Manifest, Strin
     let meta = match std::fs::symlink_metadata(&path) {
         Ok(meta) => meta,
         Err(_) => {
-            problems.push(format!("{name}: missing (a directory without it is not an export)"));
+            problems.push(format!(
+                "{name}: missing (a directory without it is not an export)"
+            ));
             return None;
         }
     };
     if !meta.is_file() {
-        problems.push(format!("{name}: expected a regular file (not a symlink or directory)"));
+        problems.push(format!(
+            "{name}: expected a regular file (not a symlink or directory)"
+        ));
         return None;
     }
     if meta.len() > manifest::MAX_JSON_LEN {
-        problems.push(format!("{name}: {} bytes, over the 16 MiB limit", meta.len()));
+        problems.push(format!(
+            "{name}: {} bytes, over the 16 MiB limit",
+            meta.len()
+        ));
         return None;
     }
-    let bytes = problems.check(name, std::fs::read(&path).map_err(|e| format!("cannot read: {e}")))?;
+    let bytes = problems.check(
+        name,
+        std::fs::read(&path).map_err(|e| format!("cannot read: {e}")),
+    )?;
     let sha = files::sha256_hex(&bytes);
-    let text = problems.check(name, String::from_utf8(bytes).map_err(|_| "not UTF-8".to_string()))?;
-    let value = problems.check(name, json::parse_strict(&text).map_err(|e| format!("not valid JSON: {e}")))?;
+    let text = problems.check(
+        name,
+        String::from_utf8(bytes).map_err(|_| "not UTF-8".to_string()),
+    )?;
+    let value = problems.check(
+        name,
+        json::parse_strict(&text).map_err(|e| format!("not valid JSON: {e}")),
+    )?;
     match manifest::parse(&value) {
         Ok(m) => Some((m, sha)),
         Err(errors) => {
@@ -95,7 +122,10 @@ fn read_config(dir: &Path, problems: &mut Problems) -> Option<Config> {
     if !is_regular(&path) {
         return None; // The file-set check has reported it.
     }
-    let value = problems.check("config.json", json::read_strict(&path, manifest::MAX_JSON_LEN))?;
+    let value = problems.check(
+        "config.json",
+        json::read_strict(&path, manifest::MAX_JSON_LEN),
+    )?;
     match config::parse(&value) {
         Ok(cfg) => Some(cfg),
         Err(errors) => {
@@ -108,7 +138,7 @@ fn read_config(dir: &Path, problems: &mut Problems) -> Option<Config> {
 }
 
 fn is_regular(path: &Path) -> bool {
-    std::fs::symlink_metadata(path).map_or(false, |m| m.is_file())
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file())
 }
 
 /// Maps a safetensors file, validates its container, and refuses non-finite values (§2).
@@ -121,7 +151,9 @@ fn open(dir: &Path, name: &str, max_header: u64, problems: &mut Problems) -> Opt
     let file = problems.check(name, MappedFile::open(&path, max_header))?;
     for (tensor, info) in &file.header.tensors {
         if let Some(i) = first_non_finite(info.dtype, file.bytes(info)) {
-            problems.push(format!("{name}: tensor {tensor}: element {i} is not finite (NaN or infinity)"));
+            problems.push(format!(
+                "{name}: tensor {tensor}: element {i} is not finite (NaN or infinity)"
+            ));
         }
     }
     Some(file)

@@ -89,28 +89,43 @@ pub fn parse(value: &Value) -> Result<Config, Vec<String>> {
     // §3: a field whose value is null counts as absent.
     let value = without_nulls(value);
     let root = Obj::root(&value, "config").map_err(|e| vec![e])?;
-    let text = root.obj("text_config", "text_config").map_err(|e| vec![e])?;
-    let vision = root.obj("vision_config", "vision_config").map_err(|e| vec![e])?;
+    let text = root
+        .obj("text_config", "text_config")
+        .map_err(|e| vec![e])?;
+    let vision = root
+        .obj("vision_config", "vision_config")
+        .map_err(|e| vec![e])?;
     let mut errors = Errors::default();
 
     // Rule 1: the root.
     errors.take(root.expect_str("model_type", "qwen3_5"));
-    for key in ["image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"] {
+    for key in [
+        "image_token_id",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+    ] {
         errors.take(integer(root, key));
     }
     optional_bool(root, "tie_word_embeddings", None, &mut errors);
 
-    let config = Config { text: parse_text(text, &mut errors), vision: parse_vision(vision, &mut errors) };
+    let config = Config {
+        text: parse_text(text, &mut errors),
+        vision: parse_vision(vision, &mut errors),
+    };
     check_text_rules(text, &config.text, &mut errors);
     check_rope(text, config.text.head_dim, &mut errors);
     check_vision_rules(vision, &config.vision, &mut errors);
     // Rule 9.
-    errors.require(config.vision.out_hidden_size == config.text.hidden_size, || {
-        format!(
-            "vision_config.out_hidden_size: expected text_config.hidden_size = {}, found {}",
-            config.text.hidden_size, config.vision.out_hidden_size
-        )
-    });
+    errors.require(
+        config.vision.out_hidden_size == config.text.hidden_size,
+        || {
+            format!(
+                "vision_config.out_hidden_size: expected text_config.hidden_size = {}, found {}",
+                config.text.hidden_size, config.vision.out_hidden_size
+            )
+        },
+    );
     if errors.0.is_empty() {
         Ok(config)
     } else {
@@ -121,9 +136,12 @@ pub fn parse(value: &Value) -> Result<Config, Vec<String>> {
 /// A copy with every null-valued object field removed, at any depth.
 fn without_nulls(value: &Value) -> Value {
     match value {
-        Value::Object(map) => {
-            Value::Object(map.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), without_nulls(v))).collect())
-        }
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .filter(|(_, v)| !v.is_null())
+                .map(|(k, v)| (k.clone(), without_nulls(v)))
+                .collect(),
+        ),
         Value::Array(items) => Value::Array(items.iter().map(without_nulls).collect()),
         other => other.clone(),
     }
@@ -132,16 +150,28 @@ fn without_nulls(value: &Value) -> Value {
 /// An integer of any sign (written without fraction or exponent).
 fn integer(obj: Obj, key: &str) -> Result<i64, String> {
     let value = obj.get(key)?;
-    value.as_i64().ok_or_else(|| format!("{}: expected an integer, found {}", obj.field_path(key), show(value)))
+    value.as_i64().ok_or_else(|| {
+        format!(
+            "{}: expected an integer, found {}",
+            obj.field_path(key),
+            show(value)
+        )
+    })
 }
 
 /// When present, a boolean, and `want` if given.
 fn optional_bool(obj: Obj, key: &str, want: Option<bool>, errors: &mut Errors) {
     if let Some(value) = obj.opt(key) {
-        let ok = value.as_bool().map_or(false, |b| want.map_or(true, |w| b == w));
+        let ok = value
+            .as_bool()
+            .is_some_and(|b| want.is_none() || want == Some(b));
         errors.require(ok, || {
             let expected = want.map_or("a boolean".to_string(), |w| w.to_string());
-            format!("{}: expected {expected} or absent, found {}", obj.field_path(key), show(value))
+            format!(
+                "{}: expected {expected} or absent, found {}",
+                obj.field_path(key),
+                show(value)
+            )
         });
     }
 }
@@ -214,19 +244,27 @@ fn check_text_rules(text: Obj, t: &Text, errors: &mut Errors) {
     match text.positive("max_position_embeddings") {
         Err(e) => errors.0.push(e),
         Ok(n) => errors.require(n <= 1 << 24, || {
-            format!("text_config.max_position_embeddings: expected at most 2^24 = 16777216, found {n}")
+            format!(
+                "text_config.max_position_embeddings: expected at most 2^24 = 16777216, found {n}"
+            )
         }),
     }
-    errors.require(t.linear_conv_kernel_dim == 4 || t.linear_conv_kernel_dim == 0, || {
-        format!("text_config.linear_conv_kernel_dim: expected 4, found {}", t.linear_conv_kernel_dim)
-    });
+    errors.require(
+        t.linear_conv_kernel_dim == 4 || t.linear_conv_kernel_dim == 0,
+        || {
+            format!(
+                "text_config.linear_conv_kernel_dim: expected 4, found {}",
+                t.linear_conv_kernel_dim
+            )
+        },
+    );
     errors.take(text.expect_str("hidden_act", "silu"));
     optional_bool(text, "attn_output_gate", Some(true), errors);
     optional_bool(text, "attention_bias", Some(false), errors);
     optional_bool(text, "tie_word_embeddings", None, errors);
     match text.get("rms_norm_eps") {
         Err(e) => errors.0.push(e),
-        Ok(eps) => errors.require(eps.is_f64() && eps.as_f64().map_or(false, |x| x > 0.0), || {
+        Ok(eps) => errors.require(eps.is_f64() && eps.as_f64().is_some_and(|x| x > 0.0), || {
             format!(
                 "text_config.rms_norm_eps: expected a number > 0 written with a fraction or exponent, found {}",
                 show(eps)
@@ -234,24 +272,39 @@ fn check_text_rules(text: Obj, t: &Text, errors: &mut Errors) {
         }),
     }
     let multiple = |a: usize, b: usize| a == 0 || b == 0 || a % b == 0;
-    errors.require(multiple(t.num_attention_heads, t.num_key_value_heads), || {
-        format!(
-            "text_config.num_attention_heads: {} is not a multiple of num_key_value_heads {}",
-            t.num_attention_heads, t.num_key_value_heads
-        )
-    });
-    errors.require(multiple(t.linear_num_value_heads, t.linear_num_key_heads), || {
-        format!(
+    errors.require(
+        multiple(t.num_attention_heads, t.num_key_value_heads),
+        || {
+            format!(
+                "text_config.num_attention_heads: {} is not a multiple of num_key_value_heads {}",
+                t.num_attention_heads, t.num_key_value_heads
+            )
+        },
+    );
+    errors.require(
+        multiple(t.linear_num_value_heads, t.linear_num_key_heads),
+        || {
+            format!(
             "text_config.linear_num_value_heads: {} is not a multiple of linear_num_key_heads {}",
             t.linear_num_value_heads, t.linear_num_key_heads
         )
-    });
+        },
+    );
     errors.require(t.hidden_size % 8 == 0, || {
-        format!("text_config.hidden_size: {} is not a multiple of 8", t.hidden_size)
+        format!(
+            "text_config.hidden_size: {} is not a multiple of 8",
+            t.hidden_size
+        )
     });
 }
 
-const ROPE_KEYS: [&str; 5] = ["rope_type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"];
+const ROPE_KEYS: [&str; 5] = [
+    "rope_type",
+    "rope_theta",
+    "partial_rotary_factor",
+    "mrope_section",
+    "mrope_interleaved",
+];
 
 /// Rule 7: default rope, interleaved M-RoPE whose three sections fill half the rotary dims.
 fn check_rope(text: Obj, head_dim: usize, errors: &mut Errors) {
@@ -263,12 +316,17 @@ fn check_rope(text: Obj, head_dim: usize, errors: &mut Errors) {
             Some(map) => {
                 let rope = Obj { path, map };
                 if let Some(key) = map.keys().find(|k| !ROPE_KEYS.contains(&k.as_str())) {
-                    errors.0.push(format!("{path}: unexpected key {key:?} (allowed: {})", ROPE_KEYS.join(", ")));
+                    errors.0.push(format!(
+                        "{path}: unexpected key {key:?} (allowed: {})",
+                        ROPE_KEYS.join(", ")
+                    ));
                 }
                 (rope, rope.number("rope_theta"))
             }
             None => {
-                errors.0.push(format!("{path}: expected an object, found {}", show(v)));
+                errors
+                    .0
+                    .push(format!("{path}: expected an object, found {}", show(v)));
                 return;
             }
         },
@@ -277,21 +335,31 @@ fn check_rope(text: Obj, head_dim: usize, errors: &mut Errors) {
         errors.take(rope.expect_str("rope_type", "default"));
     }
     if let Some(theta) = errors.take(theta.map(Some)) {
-        errors.require(theta.is_finite() && theta > 0.0, || format!("rope theta: expected a finite number > 0, found {theta}"));
+        errors.require(theta.is_finite() && theta > 0.0, || {
+            format!("rope theta: expected a finite number > 0, found {theta}")
+        });
     }
-    let factor = match (rope.opt("partial_rotary_factor"), text.opt("partial_rotary_factor")) {
+    let factor = match (
+        rope.opt("partial_rotary_factor"),
+        text.opt("partial_rotary_factor"),
+    ) {
         (None, None) => Some(0.25),
         (Some(_), None) => errors.take(rope.number("partial_rotary_factor").map(Some)),
         (None, Some(_)) => errors.take(text.number("partial_rotary_factor").map(Some)),
         (Some(_), Some(_)) => {
-            let (a, b) = (errors.take(rope.number("partial_rotary_factor")), errors.take(text.number("partial_rotary_factor")));
+            let (a, b) = (
+                errors.take(rope.number("partial_rotary_factor")),
+                errors.take(text.number("partial_rotary_factor")),
+            );
             errors.require(a == b, || format!("{path}.partial_rotary_factor: {a} differs from text_config.partial_rotary_factor {b}"));
             Some(a)
         }
     };
     let rotary = factor.map(|f| head_dim as f64 * f);
     let rotary = match rotary {
-        Some(r) if r.fract() == 0.0 && r > 0.0 && r <= head_dim as f64 && (r as u64) % 2 == 0 => Some(r as u64),
+        Some(r) if r.fract() == 0.0 && r > 0.0 && r <= head_dim as f64 && (r as u64) % 2 == 0 => {
+            Some(r as u64)
+        }
         Some(r) => {
             errors.0.push(format!(
                 "{path}.partial_rotary_factor: head_dim x factor = {r}, expected an even whole number in (0, head_dim {head_dim}]"
@@ -305,7 +373,10 @@ fn check_rope(text: Obj, head_dim: usize, errors: &mut Errors) {
         Some(_) => match rope.uint_list("mrope_section") {
             Ok(list) if list.len() == 3 => Some(list),
             Ok(list) => {
-                errors.0.push(format!("{path}.mrope_section: {} entries, expected 3", list.len()));
+                errors.0.push(format!(
+                    "{path}.mrope_section: {} entries, expected 3",
+                    list.len()
+                ));
                 None
             }
             Err(e) => {
@@ -317,7 +388,10 @@ fn check_rope(text: Obj, head_dim: usize, errors: &mut Errors) {
     if let (Some(rotary), Some(section)) = (rotary, section) {
         let total: u64 = section.iter().sum();
         errors.require(total == rotary / 2, || {
-            format!("{path}.mrope_section: {section:?} sums to {total}, expected rotary dims / 2 = {}", rotary / 2)
+            format!(
+                "{path}.mrope_section: {section:?} sums to {total}, expected rotary dims / 2 = {}",
+                rotary / 2
+            )
         });
     }
     optional_bool(rope, "mrope_interleaved", Some(true), errors);
@@ -328,28 +402,41 @@ fn check_vision_rules(vision: Obj, v: &Vision, errors: &mut Errors) {
     if vision.opt("hidden_act").is_some() {
         errors.take(vision.expect_str("hidden_act", "gelu_pytorch_tanh"));
     }
-    if v.hidden_size > 0 && v.num_heads > 0 {
-        let per_head = v.hidden_size / v.num_heads;
-        errors.require(v.hidden_size % v.num_heads == 0 && per_head % 4 == 0, || {
-            format!(
+    if let (Some(per_head), true) = (v.hidden_size.checked_div(v.num_heads), v.hidden_size > 0) {
+        errors.require(
+            v.hidden_size % v.num_heads == 0 && per_head % 4 == 0,
+            || {
+                format!(
                 "vision_config.hidden_size: {} over num_heads {} must give a whole multiple of 4",
                 v.hidden_size, v.num_heads
             )
-        });
+            },
+        );
     }
     let side = (v.num_position_embeddings as f64).sqrt().round() as usize;
     errors.require(side * side == v.num_position_embeddings, || {
-        format!("vision_config.num_position_embeddings: {} is not a perfect square", v.num_position_embeddings)
+        format!(
+            "vision_config.num_position_embeddings: {} is not a perfect square",
+            v.num_position_embeddings
+        )
     });
     if let Some(indexes) = vision.opt("deepstack_visual_indexes") {
-        errors.require(indexes.as_array().map_or(false, Vec::is_empty), || {
-            format!("vision_config.deepstack_visual_indexes: expected [] or absent, found {}", show(indexes))
+        errors.require(indexes.as_array().is_some_and(Vec::is_empty), || {
+            format!(
+                "vision_config.deepstack_visual_indexes: expected [] or absent, found {}",
+                show(indexes)
+            )
         });
     }
-    let theta = vision.opt("rope_parameters").and_then(|r| r.get("rope_theta"));
+    let theta = vision
+        .opt("rope_parameters")
+        .and_then(|r| r.get("rope_theta"));
     if let Some(theta) = theta.filter(|t| !t.is_null()) {
         errors.require(theta.as_f64() == Some(10000.0), || {
-            format!("vision_config.rope_parameters.rope_theta: expected 10000, found {}", show(theta))
+            format!(
+                "vision_config.rope_parameters.rope_theta: expected 10000, found {}",
+                show(theta)
+            )
         });
     }
 }
@@ -357,6 +444,9 @@ fn check_vision_rules(vision: Obj, v: &Vision, errors: &mut Errors) {
 #[cfg(test)]
 pub mod tests {
     use super::*;
+
+    /// An edit of a valid document and a fragment of the error it must cause.
+    type Case = (fn(&mut Value), &'static str);
     use serde_json::json;
 
     /// A config in the shape of the tiny fixture (3 linear + 1 full layer).
@@ -389,15 +479,28 @@ pub mod tests {
     #[test]
     fn parses_tiny_and_derives_dims() {
         let cfg = parse(&tiny()).unwrap();
-        assert_eq!(cfg.text.layer_types.iter().filter(|t| **t == LayerType::Linear).count(), 3);
-        assert_eq!((cfg.key_dim(), cfg.value_dim(), cfg.conv_dim()), (32, 32, 96));
+        assert_eq!(
+            cfg.text
+                .layer_types
+                .iter()
+                .filter(|t| **t == LayerType::Linear)
+                .count(),
+            3
+        );
+        assert_eq!(
+            (cfg.key_dim(), cfg.value_dim(), cfg.conv_dim()),
+            (32, 32, 96)
+        );
         assert_eq!(cfg.merged_dim(), 128);
     }
 
     #[test]
     fn in_channels_defaults_to_3() {
         let mut v = tiny();
-        v["vision_config"].as_object_mut().unwrap().remove("in_channels");
+        v["vision_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("in_channels");
         assert_eq!(parse(&v).unwrap().vision.in_channels, 3);
     }
 
@@ -409,43 +512,140 @@ pub mod tests {
 
     #[test]
     fn refuses_each_broken_rule_with_its_field() {
-        let cases: Vec<(fn(&mut Value), &str)> = vec![
+        let cases: Vec<Case> = vec![
             (|v| v["model_type"] = json!("qwen3"), "model_type"),
-            (|v| v["video_token_id"] = json!(13.0), "video_token_id: expected an integer"),
-            (|v| { v.as_object_mut().unwrap().remove("vision_end_token_id"); }, "vision_end_token_id: missing"),
-            (|v| v["tie_word_embeddings"] = json!("yes"), "tie_word_embeddings"),
-            (|v| v["text_config"]["layer_types"][1] = json!("mamba"), "layer_types[1]"),
-            (|v| v["text_config"]["num_hidden_layers"] = json!(5), "layer_types: 4 entries"),
-            (|v| v["text_config"]["hidden_act"] = json!("gelu"), "hidden_act"),
-            (|v| v["text_config"]["attention_bias"] = json!(true), "attention_bias"),
-            (|v| v["text_config"]["attention_bias"] = json!(0), "attention_bias"),
-            (|v| v["text_config"]["attn_output_gate"] = json!(false), "attn_output_gate"),
-            (|v| v["text_config"]["linear_conv_kernel_dim"] = json!(3), "linear_conv_kernel_dim"),
-            (|v| v["text_config"]["rope_parameters"]["mrope_section"] = json!([2, 2, 1]), "mrope_section"),
-            (|v| v["text_config"]["rope_parameters"]["mrope_section"] = json!([2, 2]), "mrope_section: 2 entries"),
-            (|v| v["text_config"]["rope_parameters"]["mrope_interleaved"] = json!(false), "mrope_interleaved"),
-            (|v| v["text_config"]["rope_parameters"]["rope_type"] = json!("yarn"), "rope_type"),
-            (|v| v["text_config"]["rope_parameters"]["scaling"] = json!(1), "unexpected key \"scaling\""),
-            (|v| v["text_config"]["rope_parameters"]["partial_rotary_factor"] = json!(0.3), "partial_rotary_factor"),
-            (|v| v["text_config"]["partial_rotary_factor"] = json!(0.5), "differs from text_config.partial_rotary_factor"),
-            (|v| { v["text_config"]["rope_parameters"].as_object_mut().unwrap().remove("rope_theta"); }, "rope_parameters.rope_theta: missing"),
-            (|v| v["text_config"]["max_position_embeddings"] = json!(1u64 << 25), "max_position_embeddings"),
-            (|v| v["text_config"]["rms_norm_eps"] = json!(1), "rms_norm_eps"),
-            (|v| v["text_config"]["rms_norm_eps"] = json!(-1e-6), "rms_norm_eps"),
-            (|v| v["text_config"]["num_key_value_heads"] = json!(3), "num_attention_heads"),
-            (|v| v["text_config"]["hidden_size"] = json!(60), "hidden_size"),
+            (
+                |v| v["video_token_id"] = json!(13.0),
+                "video_token_id: expected an integer",
+            ),
+            (
+                |v| {
+                    v.as_object_mut().unwrap().remove("vision_end_token_id");
+                },
+                "vision_end_token_id: missing",
+            ),
+            (
+                |v| v["tie_word_embeddings"] = json!("yes"),
+                "tie_word_embeddings",
+            ),
+            (
+                |v| v["text_config"]["layer_types"][1] = json!("mamba"),
+                "layer_types[1]",
+            ),
+            (
+                |v| v["text_config"]["num_hidden_layers"] = json!(5),
+                "layer_types: 4 entries",
+            ),
+            (
+                |v| v["text_config"]["hidden_act"] = json!("gelu"),
+                "hidden_act",
+            ),
+            (
+                |v| v["text_config"]["attention_bias"] = json!(true),
+                "attention_bias",
+            ),
+            (
+                |v| v["text_config"]["attention_bias"] = json!(0),
+                "attention_bias",
+            ),
+            (
+                |v| v["text_config"]["attn_output_gate"] = json!(false),
+                "attn_output_gate",
+            ),
+            (
+                |v| v["text_config"]["linear_conv_kernel_dim"] = json!(3),
+                "linear_conv_kernel_dim",
+            ),
+            (
+                |v| v["text_config"]["rope_parameters"]["mrope_section"] = json!([2, 2, 1]),
+                "mrope_section",
+            ),
+            (
+                |v| v["text_config"]["rope_parameters"]["mrope_section"] = json!([2, 2]),
+                "mrope_section: 2 entries",
+            ),
+            (
+                |v| v["text_config"]["rope_parameters"]["mrope_interleaved"] = json!(false),
+                "mrope_interleaved",
+            ),
+            (
+                |v| v["text_config"]["rope_parameters"]["rope_type"] = json!("yarn"),
+                "rope_type",
+            ),
+            (
+                |v| v["text_config"]["rope_parameters"]["scaling"] = json!(1),
+                "unexpected key \"scaling\"",
+            ),
+            (
+                |v| v["text_config"]["rope_parameters"]["partial_rotary_factor"] = json!(0.3),
+                "partial_rotary_factor",
+            ),
+            (
+                |v| v["text_config"]["partial_rotary_factor"] = json!(0.5),
+                "differs from text_config.partial_rotary_factor",
+            ),
+            (
+                |v| {
+                    v["text_config"]["rope_parameters"]
+                        .as_object_mut()
+                        .unwrap()
+                        .remove("rope_theta");
+                },
+                "rope_parameters.rope_theta: missing",
+            ),
+            (
+                |v| v["text_config"]["max_position_embeddings"] = json!(1u64 << 25),
+                "max_position_embeddings",
+            ),
+            (
+                |v| v["text_config"]["rms_norm_eps"] = json!(1),
+                "rms_norm_eps",
+            ),
+            (
+                |v| v["text_config"]["rms_norm_eps"] = json!(-1e-6),
+                "rms_norm_eps",
+            ),
+            (
+                |v| v["text_config"]["num_key_value_heads"] = json!(3),
+                "num_attention_heads",
+            ),
+            (
+                |v| v["text_config"]["hidden_size"] = json!(60),
+                "hidden_size",
+            ),
             (|v| v["text_config"]["head_dim"] = json!(32.0), "head_dim"),
-            (|v| v["vision_config"]["out_hidden_size"] = json!(32), "out_hidden_size"),
-            (|v| v["vision_config"]["deepstack_visual_indexes"] = json!([1]), "deepstack"),
-            (|v| v["vision_config"]["num_heads"] = json!(3), "num_heads 3"),
-            (|v| v["vision_config"]["num_position_embeddings"] = json!(60), "perfect square"),
-            (|v| v["vision_config"]["hidden_act"] = json!("gelu"), "vision_config.hidden_act"),
-            (|v| v["vision_config"]["rope_parameters"] = json!({"rope_theta": 500}), "vision_config.rope_parameters.rope_theta"),
+            (
+                |v| v["vision_config"]["out_hidden_size"] = json!(32),
+                "out_hidden_size",
+            ),
+            (
+                |v| v["vision_config"]["deepstack_visual_indexes"] = json!([1]),
+                "deepstack",
+            ),
+            (
+                |v| v["vision_config"]["num_heads"] = json!(3),
+                "num_heads 3",
+            ),
+            (
+                |v| v["vision_config"]["num_position_embeddings"] = json!(60),
+                "perfect square",
+            ),
+            (
+                |v| v["vision_config"]["hidden_act"] = json!("gelu"),
+                "vision_config.hidden_act",
+            ),
+            (
+                |v| v["vision_config"]["rope_parameters"] = json!({"rope_theta": 500}),
+                "vision_config.rope_parameters.rope_theta",
+            ),
             (|v| v["image_token_id"] = json!("12"), "image_token_id"),
         ];
         for (edit, field) in cases {
             let errors = errors_for(edit);
-            assert!(errors.iter().any(|e| e.contains(field)), "{field}: {errors:?}");
+            assert!(
+                errors.iter().any(|e| e.contains(field)),
+                "{field}: {errors:?}"
+            );
         }
     }
 
@@ -469,12 +669,18 @@ pub mod tests {
         };
         let errors = errors_for(without_rope);
         assert_eq!(errors.len(), 1);
-        assert!(errors[0].contains("sums to 32, expected rotary dims / 2 = 4"), "{errors:?}");
+        assert!(
+            errors[0].contains("sums to 32, expected rotary dims / 2 = 4"),
+            "{errors:?}"
+        );
         let mut v = tiny();
         without_rope(&mut v);
         v["text_config"]["head_dim"] = json!(256);
         assert!(parse(&v).is_ok());
-        v["text_config"].as_object_mut().unwrap().remove("rope_theta");
+        v["text_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("rope_theta");
         assert!(parse(&v).unwrap_err()[0].contains("text_config.rope_theta: missing"));
     }
 }

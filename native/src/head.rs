@@ -9,19 +9,27 @@ use crate::shapes;
 pub const CANDIDATE: &str = "candidate.weight";
 pub const DECISION: &str = "decision.weight";
 
-pub fn check(cfg: &Config, manifest: &Manifest, head: Option<&MappedFile>, problems: &mut Problems) {
+pub fn check(
+    cfg: &Config,
+    manifest: &Manifest,
+    head: Option<&MappedFile>,
+    problems: &mut Problems,
+) {
     let expected = shapes::head(cfg, manifest.head.projection_dim);
     let file = manifest::HEAD_FILE;
     // head.tensors must state exactly the expected shapes and F32.
     let stated: Vec<String> = manifest.head.tensors.keys().cloned().collect();
     let wanted: Vec<String> = expected.keys().cloned().collect();
     if stated != wanted {
-        problems.push(format!("{}: head.tensors names {stated:?}, expected {wanted:?}", manifest::FILE_NAME));
+        problems.push(format!(
+            "{}: head.tensors names {stated:?}, expected {wanted:?}",
+            manifest::FILE_NAME
+        ));
     }
     for (name, (shape, dtype)) in &manifest.head.tensors {
         let want = expected.get(name);
         let shape: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
-        if want.map_or(false, |w| w != &shape) || dtype != "F32" {
+        if want.is_some_and(|w| w != &shape) || dtype != "F32" {
             problems.push(format!(
                 "{}: head.tensors.{name} is {shape:?} {dtype}, expected {:?} F32 (head.projection_dim x text_config.hidden_size)",
                 manifest::FILE_NAME,
@@ -35,7 +43,13 @@ pub fn check(cfg: &Config, manifest: &Manifest, head: Option<&MappedFile>, probl
 }
 
 /// `logit_k = (W_c·h_k) · (W_d·h_d) · logit_scale`, in f32; `w_c`, `w_d` are row-major [P, H].
-pub fn logits(w_c: &[f32], w_d: &[f32], candidates: &[Vec<f32>], decision: &[f32], logit_scale: f64) -> Vec<f32> {
+pub fn logits(
+    w_c: &[f32],
+    w_d: &[f32],
+    candidates: &[Vec<f32>],
+    decision: &[f32],
+    logit_scale: f64,
+) -> Vec<f32> {
     let d = crate::vectors::matvec(w_d, decision);
     candidates
         .iter()

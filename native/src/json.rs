@@ -14,7 +14,9 @@ pub fn parse_strict(text: &str) -> Result<Value, String> {
 
 /// Reads a JSON file of at most `max_len` bytes and parses it strictly.
 pub fn read_strict(path: &std::path::Path, max_len: u64) -> Result<Value, String> {
-    let len = std::fs::metadata(path).map_err(|e| format!("cannot read: {e}"))?.len();
+    let len = std::fs::metadata(path)
+        .map_err(|e| format!("cannot read: {e}"))?
+        .len();
     if len > max_len {
         return Err(format!("{len} bytes, over the {max_len}-byte limit"));
     }
@@ -51,7 +53,9 @@ impl<'de> Visitor<'de> for StrictVisitor {
         Ok(Strict(Value::Number(v.into())))
     }
     fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Strict, E> {
-        Number::from_f64(v).map(|n| Strict(Value::Number(n))).ok_or_else(|| E::custom("non-finite number"))
+        Number::from_f64(v)
+            .map(|n| Strict(Value::Number(n)))
+            .ok_or_else(|| E::custom("non-finite number"))
     }
     fn visit_str<E>(self, v: &str) -> Result<Strict, E> {
         Ok(Strict(Value::String(v.to_string())))
@@ -112,11 +116,17 @@ impl<'a> Obj<'a> {
     }
 
     fn expected(&self, key: &str, what: &str, found: &Value) -> String {
-        format!("{}: expected {what}, found {}", self.field_path(key), show(found))
+        format!(
+            "{}: expected {what}, found {}",
+            self.field_path(key),
+            show(found)
+        )
     }
 
     pub fn get(&self, key: &str) -> Result<&'a Value, String> {
-        self.map.get(key).ok_or_else(|| format!("{}: missing", self.field_path(key)))
+        self.map
+            .get(key)
+            .ok_or_else(|| format!("{}: missing", self.field_path(key)))
     }
 
     pub fn opt(&self, key: &str) -> Option<&'a Value> {
@@ -134,7 +144,9 @@ impl<'a> Obj<'a> {
 
     pub fn str(&self, key: &str) -> Result<&'a str, String> {
         let value = self.get(key)?;
-        value.as_str().ok_or_else(|| self.expected(key, "a string", value))
+        value
+            .as_str()
+            .ok_or_else(|| self.expected(key, "a string", value))
     }
 
     /// A string or null.
@@ -149,7 +161,9 @@ impl<'a> Obj<'a> {
     /// A JSON integer literal >= 0 (a number written with a fraction or exponent is refused).
     pub fn uint(&self, key: &str) -> Result<u64, String> {
         let value = self.get(key)?;
-        value.as_u64().ok_or_else(|| self.expected(key, "a non-negative integer", value))
+        value
+            .as_u64()
+            .ok_or_else(|| self.expected(key, "a non-negative integer", value))
     }
 
     pub fn positive(&self, key: &str) -> Result<usize, String> {
@@ -162,24 +176,33 @@ impl<'a> Obj<'a> {
     /// Any JSON number, as f64.
     pub fn number(&self, key: &str) -> Result<f64, String> {
         let value = self.get(key)?;
-        value.as_f64().ok_or_else(|| self.expected(key, "a number", value))
+        value
+            .as_f64()
+            .ok_or_else(|| self.expected(key, "a number", value))
     }
 
     pub fn bool(&self, key: &str) -> Result<bool, String> {
         let value = self.get(key)?;
-        value.as_bool().ok_or_else(|| self.expected(key, "true or false", value))
+        value
+            .as_bool()
+            .ok_or_else(|| self.expected(key, "true or false", value))
     }
 
     pub fn array(&self, key: &str) -> Result<&'a Vec<Value>, String> {
         let value = self.get(key)?;
-        value.as_array().ok_or_else(|| self.expected(key, "an array", value))
+        value
+            .as_array()
+            .ok_or_else(|| self.expected(key, "an array", value))
     }
 
     pub fn str_list(&self, key: &str) -> Result<Vec<&'a str>, String> {
         let items = self.array(key)?;
         items
             .iter()
-            .map(|v| v.as_str().ok_or_else(|| self.expected(key, "an array of strings", v)))
+            .map(|v| {
+                v.as_str()
+                    .ok_or_else(|| self.expected(key, "an array of strings", v))
+            })
             .collect()
     }
 
@@ -187,7 +210,10 @@ impl<'a> Obj<'a> {
         let items = self.array(key)?;
         items
             .iter()
-            .map(|v| v.as_u64().ok_or_else(|| self.expected(key, "an array of non-negative integers", v)))
+            .map(|v| {
+                v.as_u64()
+                    .ok_or_else(|| self.expected(key, "an array of non-negative integers", v))
+            })
             .collect()
     }
 
@@ -208,7 +234,9 @@ mod tests {
 
     #[test]
     fn refuses_repeated_keys_at_any_depth() {
-        assert!(parse_strict(r#"{"a": 1, "a": 2}"#).unwrap_err().contains("repeated key \"a\""));
+        assert!(parse_strict(r#"{"a": 1, "a": 2}"#)
+            .unwrap_err()
+            .contains("repeated key \"a\""));
         assert!(parse_strict(r#"{"a": [{"b": 1, "b": 1}]}"#).is_err());
         assert!(parse_strict(r#"{"a": {"b": 1}, "b": {"b": 1}}"#).is_ok());
     }
@@ -232,7 +260,10 @@ mod tests {
         let v = parse_strict(r#"{"lora": {"rank": "32", "file": null, "ok": 0}}"#).unwrap();
         let root = Obj::root(&v, "manifest").unwrap();
         let lora = root.obj("lora", "lora").unwrap();
-        assert_eq!(lora.uint("rank").unwrap_err(), "lora.rank: expected a non-negative integer, found \"32\"");
+        assert_eq!(
+            lora.uint("rank").unwrap_err(),
+            "lora.rank: expected a non-negative integer, found \"32\""
+        );
         assert_eq!(lora.str_or_null("file").unwrap(), None);
         assert_eq!(lora.uint("alpha").unwrap_err(), "lora.alpha: missing");
         assert!(lora.positive("ok").unwrap_err().contains("positive"));

@@ -8,7 +8,12 @@ use crate::safetensors::{Dtype, MappedFile};
 use crate::shapes;
 
 /// `adapter` is the opened adapter file (separate mode only).
-pub fn check(cfg: &Config, manifest: &Manifest, adapter: Option<&MappedFile>, problems: &mut Problems) {
+pub fn check(
+    cfg: &Config,
+    manifest: &Manifest,
+    adapter: Option<&MappedFile>,
+    problems: &mut Problems,
+) {
     let targets = shapes::lora_targets(cfg);
     if manifest.lora.pairs != targets.len() {
         problems.push(format!(
@@ -34,7 +39,10 @@ pub fn check(cfg: &Config, manifest: &Manifest, adapter: Option<&MappedFile>, pr
             (true, false) => format!("lora_B {}", target.lora_b),
             (false, false) => "both A and B".to_string(),
         };
-        problems.push(format!("{file}: LoRA pair of {} lacks {missing}", target.weight));
+        problems.push(format!(
+            "{file}: LoRA pair of {} lacks {missing}",
+            target.weight
+        ));
     }
 }
 
@@ -52,6 +60,9 @@ mod tests {
         let manifest = manifest::parse(&value).unwrap();
         let mut problems = Problems::default();
         check(&cfg, &manifest, None, &mut problems);
-        assert_eq!(problems.lines(), ["valen_export.json: lora.pairs is 30, config.json gives 31 LoRA targets"]);
+        assert_eq!(
+            problems.lines(),
+            ["valen_export.json: lora.pairs is 30, config.json gives 31 LoRA targets"]
+        );
     }
 }

@@ -1,6 +1,9 @@
 //! `valen-native-check EXPORT_DIR [--vectors FILE]`: exit 0 conforming, 1 not conforming
 //! (one line per problem on stdout), 2 usage.
 
+// `x % n == 0` rather than `is_multiple_of` (Rust 1.87) keeps older toolchains building it.
+#![allow(clippy::manual_is_multiple_of)]
+
 mod check;
 mod config;
 mod files;
@@ -58,7 +61,10 @@ fn parse_args(args: &[String]) -> Result<Option<Args>, String> {
         }
     }
     let export_dir = export_dir.ok_or("missing EXPORT_DIR")?;
-    Ok(Some(Args { export_dir, vectors }))
+    Ok(Some(Args {
+        export_dir,
+        vectors,
+    }))
 }
 
 fn main() -> ExitCode {
@@ -75,12 +81,18 @@ fn main() -> ExitCode {
         }
     };
     if !args.export_dir.is_dir() {
-        eprintln!("valen-native-check: {}: not a directory\n{USAGE}", args.export_dir.display());
+        eprintln!(
+            "valen-native-check: {}: not a directory\n{USAGE}",
+            args.export_dir.display()
+        );
         return ExitCode::from(2);
     }
     if let Some(v) = &args.vectors {
         if !v.is_file() {
-            eprintln!("valen-native-check: --vectors {}: no such file\n{USAGE}", v.display());
+            eprintln!(
+                "valen-native-check: --vectors {}: no such file\n{USAGE}",
+                v.display()
+            );
             return ExitCode::from(2);
         }
     }
@@ -89,7 +101,8 @@ fn main() -> ExitCode {
     if let (Some(vectors), Some(export)) = (&args.vectors, &export) {
         vectors::check(vectors, export, &mut problems);
     } else if args.vectors.is_some() {
-        problems.push("vectors not checked: the export's manifest or config.json could not be read");
+        problems
+            .push("vectors not checked: the export's manifest or config.json could not be read");
     }
     if problems.is_empty() {
         println!("{}: conforms to valen-native/1", args.export_dir.display());

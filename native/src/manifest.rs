@@ -105,7 +105,12 @@ pub fn parse(value: &Value) -> Result<Manifest, Vec<String>> {
     let root = Obj::root(value, "the manifest").map_err(|e| vec![e])?;
     match root.get("format") {
         Ok(Value::String(f)) if f == FORMAT => {}
-        Ok(other) => return Err(vec![format!("format: expected exactly {FORMAT:?}, found {}", show(other))]),
+        Ok(other) => {
+            return Err(vec![format!(
+                "format: expected exactly {FORMAT:?}, found {}",
+                show(other)
+            )])
+        }
         Err(e) => return Err(vec![e]),
     }
     let mut errors = Vec::new();
@@ -122,7 +127,10 @@ pub fn parse(value: &Value) -> Result<Manifest, Vec<String>> {
             }
         };
         if !ok {
-            errors.push(format!("{key}: expected {kind}, found {}", show(&root.map[key])));
+            errors.push(format!(
+                "{key}: expected {kind}, found {}",
+                show(&root.map[key])
+            ));
         }
     }
     let language = section(root, "language", parse_language, &mut errors);
@@ -141,9 +149,21 @@ pub fn parse(value: &Value) -> Result<Manifest, Vec<String>> {
         (Some(language), Some(lora), Some(vision), Some(head), Some(fp32_sources), Some(files))
             if errors.is_empty() =>
         {
-            let manifest = Manifest { language, lora, vision, head, fp32_sources, files };
-            let unlisted = manifest.referenced_files().into_iter().filter(|f| !manifest.files.contains_key(f));
-            let missing: Vec<String> = unlisted.map(|f| format!("files: no entry for {f}, which the manifest names")).collect();
+            let manifest = Manifest {
+                language,
+                lora,
+                vision,
+                head,
+                fp32_sources,
+                files,
+            };
+            let unlisted = manifest
+                .referenced_files()
+                .into_iter()
+                .filter(|f| !manifest.files.contains_key(f));
+            let missing: Vec<String> = unlisted
+                .map(|f| format!("files: no entry for {f}, which the manifest names"))
+                .collect();
             if missing.is_empty() {
                 Ok(manifest)
             } else {
@@ -172,7 +192,9 @@ fn section<'a, T>(
 /// §11: a plain file name (the schema's pattern), never the manifest itself.
 pub fn is_plain_file_name(name: &str) -> bool {
     !name.is_empty()
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
         && !matches!(name, "." | ".." | FILE_NAME)
 }
 
@@ -182,42 +204,64 @@ fn check_language_naming(files: &[String], index: Option<&str>) -> Result<(), St
         None => vec![SINGLE_LANGUAGE_FILE.to_string()],
         Some(_) => {
             let n = files.len();
-            (1..=n).map(|k| format!("model-{k:05}-of-{n:05}.safetensors")).collect()
+            (1..=n)
+                .map(|k| format!("model-{k:05}-of-{n:05}.safetensors"))
+                .collect()
         }
     };
     if files == expected {
         Ok(())
     } else {
-        Err(format!("language.files: expected {expected:?} for language.index {index:?}, found {files:?}"))
+        Err(format!(
+            "language.files: expected {expected:?} for language.index {index:?}, found {files:?}"
+        ))
     }
 }
 
 fn parse_language(obj: Obj) -> Result<Language, String> {
     obj.expect_str("prefix", crate::shapes::LANGUAGE_PREFIX)?;
     obj.expect_str("dtype", "BF16")?;
-    let files: Vec<String> = obj.str_list("files")?.into_iter().map(String::from).collect();
+    let files: Vec<String> = obj
+        .str_list("files")?
+        .into_iter()
+        .map(String::from)
+        .collect();
     if let Some(bad) = files.iter().find(|f| !is_plain_file_name(f)) {
         return Err(format!("language.files: {bad:?} is not a plain file name"));
     }
     let index = obj.str_or_null("index")?.map(String::from);
     if let Some(name) = &index {
         if name != INDEX_FILE {
-            return Err(format!("language.index: expected {INDEX_FILE:?} or null, found {name:?}"));
+            return Err(format!(
+                "language.index: expected {INDEX_FILE:?} or null, found {name:?}"
+            ));
         }
     }
     check_language_naming(&files, index.as_deref())?;
     let tensors = obj.positive("tensors")?;
-    Ok(Language { files, index, tensors })
+    Ok(Language {
+        files,
+        index,
+        tensors,
+    })
 }
 
 fn parse_lora(obj: Obj) -> Result<Lora, String> {
     let mode = match obj.str("mode")? {
         "separate" => LoraMode::Separate,
         "merged" => LoraMode::Merged,
-        other => return Err(format!("lora.mode: expected \"separate\" or \"merged\", found {other:?}")),
+        other => {
+            return Err(format!(
+                "lora.mode: expected \"separate\" or \"merged\", found {other:?}"
+            ))
+        }
     };
     // Fields whose value the mode fixes (schema: if separate ... else ...).
-    let adapter_prefix = format!("{}{}", crate::shapes::ADAPTER_PREFIX, crate::shapes::LANGUAGE_PREFIX);
+    let adapter_prefix = format!(
+        "{}{}",
+        crate::shapes::ADAPTER_PREFIX,
+        crate::shapes::LANGUAGE_PREFIX
+    );
     let fixed: [(&str, Option<&str>, Option<&str>); 4] = [
         ("file", Some(ADAPTER_FILE), None),
         ("dtype", Some("F32"), None),
@@ -225,7 +269,11 @@ fn parse_lora(obj: Obj) -> Result<Lora, String> {
         ("merge_rule", None, Some(MERGE_RULE)),
     ];
     for (key, separate, merged) in fixed {
-        let want = if mode == LoraMode::Separate { separate } else { merged };
+        let want = if mode == LoraMode::Separate {
+            separate
+        } else {
+            merged
+        };
         let found = obj.str_or_null(key)?;
         if found != want {
             let want = want.map_or("null".to_string(), |w| format!("{w:?}"));
@@ -242,7 +290,9 @@ fn parse_lora(obj: Obj) -> Result<Lora, String> {
     }
     let alpha = obj.number("alpha")?;
     if !(alpha.is_finite() && alpha > 0.0) {
-        return Err(format!("lora.alpha: expected a finite number > 0, found {alpha}"));
+        return Err(format!(
+            "lora.alpha: expected a finite number > 0, found {alpha}"
+        ));
     }
     let scale = obj.number("scale")?;
     // §5: alpha / rank in double precision, compared exactly.
@@ -253,7 +303,12 @@ fn parse_lora(obj: Obj) -> Result<Lora, String> {
         ));
     }
     let pairs = obj.positive("pairs")?;
-    Ok(Lora { mode, rank, scale, pairs })
+    Ok(Lora {
+        mode,
+        rank,
+        scale,
+        pairs,
+    })
 }
 
 fn parse_vision(obj: Obj) -> Result<Vision, String> {
@@ -261,7 +316,10 @@ fn parse_vision(obj: Obj) -> Result<Vision, String> {
     obj.expect_str("prefix", crate::shapes::VISION_PREFIX)?;
     obj.expect_str("dtype", "BF16")?;
     obj.bool("trained_merger")?;
-    Ok(Vision { tensors: obj.positive("tensors")?, trained_blocks: obj.uint_list("trained_blocks")? })
+    Ok(Vision {
+        tensors: obj.positive("tensors")?,
+        trained_blocks: obj.uint_list("trained_blocks")?,
+    })
 }
 
 fn parse_head(obj: Obj) -> Result<Head, String> {
@@ -270,7 +328,7 @@ fn parse_head(obj: Obj) -> Result<Head, String> {
     let projection_dim = obj.positive("projection_dim")?;
     let logit_scale = obj.number("logit_scale")?;
     // §7: P^-0.5 within 1e-12, relative.
-    if !((logit_scale * (projection_dim as f64).sqrt() - 1.0).abs() <= 1e-12) {
+    if (logit_scale * (projection_dim as f64).sqrt() - 1.0).abs() > 1e-12 {
         return Err(format!(
             "head.logit_scale: expected projection_dim^-0.5 = {}, found {logit_scale}",
             (projection_dim as f64).powf(-0.5)
@@ -281,22 +339,33 @@ fn parse_head(obj: Obj) -> Result<Head, String> {
     for (name, value) in listed.map {
         let path = format!("head.tensors.{name}");
         let entry = value.as_object().map(|map| Obj { path: &path, map });
-        let entry = entry.ok_or_else(|| format!("{path}: expected an object, found {}", show(value)))?;
+        let entry =
+            entry.ok_or_else(|| format!("{path}: expected an object, found {}", show(value)))?;
         let shape = entry.uint_list("shape")?;
         let dtype = entry.str("dtype")?.to_string();
         tensors.insert(name.clone(), (shape, dtype));
     }
-    Ok(Head { tensors, projection_dim, logit_scale })
+    Ok(Head {
+        tensors,
+        projection_dim,
+        logit_scale,
+    })
 }
 
 fn parse_fp32_sources(obj: Obj) -> Result<Fp32Sources, String> {
     let file = obj.str_or_null("file")?.map(String::from);
     if let Some(name) = &file {
         if name != FP32_SOURCES_FILE {
-            return Err(format!("fp32_sources.file: expected {FP32_SOURCES_FILE:?} or null, found {name:?}"));
+            return Err(format!(
+                "fp32_sources.file: expected {FP32_SOURCES_FILE:?} or null, found {name:?}"
+            ));
         }
     }
-    let tensors: Vec<String> = obj.str_list("tensors")?.into_iter().map(String::from).collect();
+    let tensors: Vec<String> = obj
+        .str_list("tensors")?
+        .into_iter()
+        .map(String::from)
+        .collect();
     if !tensors.windows(2).all(|w| w[0] < w[1]) {
         return Err("fp32_sources.tensors: expected names sorted and unique".into());
     }
@@ -319,7 +388,9 @@ fn parse_files(root: Obj) -> Result<BTreeMap<String, FileEntry>, Vec<String>> {
     }
     for (name, value) in files.map {
         if !is_plain_file_name(name) {
-            errors.push(format!("files: key {name:?} is not a plain file name (or is the manifest)"));
+            errors.push(format!(
+                "files: key {name:?} is not a plain file name (or is the manifest)"
+            ));
             continue;
         }
         let path = format!("files.{name}");
@@ -330,9 +401,17 @@ fn parse_files(root: Obj) -> Result<BTreeMap<String, FileEntry>, Vec<String>> {
         let entry = Obj { path: &path, map };
         match (entry.str("sha256"), entry.uint("size")) {
             (Ok(sha), Ok(size)) if is_sha256_hex(sha) => {
-                entries.insert(name.clone(), FileEntry { sha256: sha.to_string(), size });
+                entries.insert(
+                    name.clone(),
+                    FileEntry {
+                        sha256: sha.to_string(),
+                        size,
+                    },
+                );
             }
-            (Ok(sha), Ok(_)) => errors.push(format!("{path}.sha256: expected 64 lowercase hex digits, found {sha:?}")),
+            (Ok(sha), Ok(_)) => errors.push(format!(
+                "{path}.sha256: expected 64 lowercase hex digits, found {sha:?}"
+            )),
             (Err(e), _) | (_, Err(e)) => errors.push(e),
         }
     }
@@ -365,6 +444,9 @@ impl Manifest {
 #[cfg(test)]
 pub mod tests {
     use super::*;
+
+    /// An edit of a valid document and a fragment of the error it must cause.
+    type Case = (fn(&mut Value), &'static str);
     use serde_json::json;
 
     const SHA: &str = "c5d5dbd4528be9fd64afc2acfe182240b3aa05a8db0173f1d1c0b9ad5285e046";
@@ -401,8 +483,14 @@ pub mod tests {
     #[test]
     fn parses_a_separate_manifest() {
         let m = parse(&separate()).unwrap();
-        assert_eq!((m.lora.mode, m.lora.rank, m.lora.scale, m.lora.pairs), (LoraMode::Separate, 32, 2.0, 31));
-        assert_eq!(m.head.tensors["decision.weight"], (vec![256, 64], "F32".to_string()));
+        assert_eq!(
+            (m.lora.mode, m.lora.rank, m.lora.scale, m.lora.pairs),
+            (LoraMode::Separate, 32, 2.0, 31)
+        );
+        assert_eq!(
+            m.head.tensors["decision.weight"],
+            (vec![256, 64], "F32".to_string())
+        );
         assert_eq!(m.files.len(), 7);
     }
 
@@ -423,20 +511,49 @@ pub mod tests {
 
     #[test]
     fn refuses_bad_fields_naming_them() {
-        let cases: Vec<(fn(&mut Value), &str)> = vec![
+        let cases: Vec<Case> = vec![
             (|v| v["lora"]["scale"] = json!(2.5), "lora.scale"),
             (|v| v["lora"]["rank"] = json!(129), "lora.rank"),
             (|v| v["lora"]["rank"] = json!(0), "lora.rank"),
-            (|v| v["lora"]["mode"] = json!("merged"), "lora.file: expected null in merged mode"),
-            (|v| v["head"]["logit_scale"] = json!(0.0626), "head.logit_scale"),
-            (|v| v["language"]["files"] = json!(["model-00001-of-00002.safetensors"]), "language.files"),
+            (
+                |v| v["lora"]["mode"] = json!("merged"),
+                "lora.file: expected null in merged mode",
+            ),
+            (
+                |v| v["head"]["logit_scale"] = json!(0.0626),
+                "head.logit_scale",
+            ),
+            (
+                |v| v["language"]["files"] = json!(["model-00001-of-00002.safetensors"]),
+                "language.files",
+            ),
             (|v| v["language"]["index"] = json!(null), "language.files"),
-            (|v| v["files"]["config.json"]["sha256"] = json!(SHA.to_uppercase()), "files.config.json.sha256"),
-            (|v| v["files"]["../x"] = json!({"sha256": SHA, "size": 1}), "not a plain file name"),
-            (|v| v["files"]["valen_export.json"] = json!({"sha256": SHA, "size": 1}), "\"valen_export.json\""),
-            (|v| v["fp32_sources"]["tensors"] = json!(["b", "a"]), "sorted"),
+            (
+                |v| v["files"]["config.json"]["sha256"] = json!(SHA.to_uppercase()),
+                "files.config.json.sha256",
+            ),
+            (
+                |v| v["files"]["../x"] = json!({"sha256": SHA, "size": 1}),
+                "not a plain file name",
+            ),
+            (
+                |v| v["files"]["valen_export.json"] = json!({"sha256": SHA, "size": 1}),
+                "\"valen_export.json\"",
+            ),
+            (
+                |v| v["fp32_sources"]["tensors"] = json!(["b", "a"]),
+                "sorted",
+            ),
             (|v| v["model_id"] = json!(3), "model_id: expected string"),
-            (|v| { v["files"].as_object_mut().unwrap().remove("vision.safetensors"); }, "no entry for vision.safetensors"),
+            (
+                |v| {
+                    v["files"]
+                        .as_object_mut()
+                        .unwrap()
+                        .remove("vision.safetensors");
+                },
+                "no entry for vision.safetensors",
+            ),
         ];
         for (edit, want) in cases {
             let got = first_error(edit);

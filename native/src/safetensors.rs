@@ -12,7 +12,6 @@ use serde_json::Value;
 
 use crate::json;
 
-
 /// Element types a safetensors header may name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dtype {
@@ -116,11 +115,16 @@ impl Header {
     /// `max_header_len` caps N, the JSON header's length.
     pub fn parse(bytes: &[u8], max_header_len: u64) -> Result<Header, String> {
         if bytes.len() < 8 {
-            return Err(format!("file is {} bytes, shorter than the 8-byte header length", bytes.len()));
+            return Err(format!(
+                "file is {} bytes, shorter than the 8-byte header length",
+                bytes.len()
+            ));
         }
         let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap());
         if header_len > max_header_len {
-            return Err(format!("header length {header_len} exceeds {max_header_len} bytes"));
+            return Err(format!(
+                "header length {header_len} exceeds {max_header_len} bytes"
+            ));
         }
         let data_start = 8 + header_len as usize;
         if data_start > bytes.len() {
@@ -131,10 +135,14 @@ impl Header {
         }
         let text = std::str::from_utf8(&bytes[8..data_start])
             .map_err(|e| format!("header is not UTF-8: {e}"))?;
-        let json = json::parse_strict(text).map_err(|e| format!("header is not valid JSON: {e}"))?;
+        let json =
+            json::parse_strict(text).map_err(|e| format!("header is not valid JSON: {e}"))?;
         let entries = json.as_object().ok_or("header is not a JSON object")?;
 
-        let mut header = Header { data_start, ..Header::default() };
+        let mut header = Header {
+            data_start,
+            ..Header::default()
+        };
         for (name, entry) in entries {
             if name == "__metadata__" {
                 header.metadata = parse_metadata(entry)?;
@@ -150,8 +158,11 @@ impl Header {
     }
 
     fn check_layout(&self, data_len: usize) -> Result<(), String> {
-        let mut ranges: Vec<(usize, usize, &str)> =
-            self.tensors.iter().map(|(n, t)| (t.begin, t.end, n.as_str())).collect();
+        let mut ranges: Vec<(usize, usize, &str)> = self
+            .tensors
+            .iter()
+            .map(|(n, t)| (t.begin, t.end, n.as_str()))
+            .collect();
         ranges.sort();
         let mut cursor = 0;
         for (begin, end, name) in ranges {
@@ -163,7 +174,9 @@ impl Header {
             cursor = end;
         }
         if cursor != data_len {
-            return Err(format!("tensors cover {cursor} data bytes but the file holds {data_len}"));
+            return Err(format!(
+                "tensors cover {cursor} data bytes but the file holds {data_len}"
+            ));
         }
         Ok(())
     }
@@ -181,18 +194,31 @@ fn parse_metadata(value: &Value) -> Result<BTreeMap<String, String>, String> {
 
 fn parse_entry(value: &Value) -> Result<TensorInfo, String> {
     let fields = value.as_object().ok_or("entry is not an object")?;
-    if let Some(extra) = fields.keys().find(|k| !["dtype", "shape", "data_offsets"].contains(&k.as_str())) {
-        return Err(format!("unexpected field {extra:?} (an entry holds dtype, shape, data_offsets)"));
+    if let Some(extra) = fields
+        .keys()
+        .find(|k| !["dtype", "shape", "data_offsets"].contains(&k.as_str()))
+    {
+        return Err(format!(
+            "unexpected field {extra:?} (an entry holds dtype, shape, data_offsets)"
+        ));
     }
-    let dtype_name = value.get("dtype").and_then(Value::as_str).ok_or("missing string dtype")?;
+    let dtype_name = value
+        .get("dtype")
+        .and_then(Value::as_str)
+        .ok_or("missing string dtype")?;
     let dtype = Dtype::parse(dtype_name).ok_or_else(|| format!("unknown dtype {dtype_name}"))?;
     let shape = usize_list(value.get("shape"), "shape")?;
     let offsets = usize_list(value.get("data_offsets"), "data_offsets")?;
     let [begin, end] = offsets[..] else {
-        return Err(format!("data_offsets has {} entries, expected 2", offsets.len()));
+        return Err(format!(
+            "data_offsets has {} entries, expected 2",
+            offsets.len()
+        ));
     };
     if end < begin {
-        return Err(format!("data_offsets [{begin}, {end}] end before they begin"));
+        return Err(format!(
+            "data_offsets [{begin}, {end}] end before they begin"
+        ));
     }
     let nbytes = shape
         .iter()
@@ -204,11 +230,18 @@ fn parse_entry(value: &Value) -> Result<TensorInfo, String> {
             end - begin
         ));
     }
-    Ok(TensorInfo { dtype, shape, begin, end })
+    Ok(TensorInfo {
+        dtype,
+        shape,
+        begin,
+        end,
+    })
 }
 
 fn usize_list(value: Option<&Value>, field: &str) -> Result<Vec<usize>, String> {
-    let items = value.and_then(Value::as_array).ok_or_else(|| format!("missing list {field}"))?;
+    let items = value
+        .and_then(Value::as_array)
+        .ok_or_else(|| format!("missing list {field}"))?;
     items
         .iter()
         .map(|v| {
@@ -228,10 +261,15 @@ pub struct MappedFile {
 impl MappedFile {
     pub fn open(path: &Path, max_header_len: u64) -> Result<MappedFile, String> {
         let file = File::open(path).map_err(|e| format!("cannot open: {e}"))?;
-        let len = file.metadata().map_err(|e| format!("cannot stat: {e}"))?.len();
+        let len = file
+            .metadata()
+            .map_err(|e| format!("cannot stat: {e}"))?
+            .len();
         if len < 8 {
             // mmap cannot map an empty file; report the short file like any other.
-            return Err(format!("file is {len} bytes, shorter than the 8-byte header length"));
+            return Err(format!(
+                "file is {len} bytes, shorter than the 8-byte header length"
+            ));
         }
         // SAFETY: the export is read-only input; nothing in this process writes the file.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot memory-map: {e}"))?;
@@ -257,7 +295,10 @@ impl MappedFile {
             return Err(format!("row {row} out of range for {rows} rows"));
         }
         let row_bytes = (info.end - info.begin) / rows;
-        decode_f32(info.dtype, &self.bytes(info)[row * row_bytes..(row + 1) * row_bytes])
+        decode_f32(
+            info.dtype,
+            &self.bytes(info)[row * row_bytes..(row + 1) * row_bytes],
+        )
     }
 }
 
@@ -265,18 +306,18 @@ impl MappedFile {
 pub fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Option<usize> {
     // Non-finite means an all-ones exponent field.
     match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .position(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000),
-        Dtype::BF16 => {
-            bytes.chunks_exact(2).position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 == 0x7f80)
-        }
-        Dtype::F16 => {
-            bytes.chunks_exact(2).position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00)
-        }
-        Dtype::F64 => bytes.chunks_exact(8).position(|b| {
-            !f64::from_le_bytes(b.try_into().unwrap()).is_finite()
+        Dtype::F32 => bytes.chunks_exact(4).position(|b| {
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000
         }),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 == 0x7f80),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00),
+        Dtype::F64 => bytes
+            .chunks_exact(8)
+            .position(|b| !f64::from_le_bytes(b.try_into().unwrap()).is_finite()),
         _ => None,
     }
 }
@@ -288,12 +329,14 @@ pub fn decode_f32(dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>, String> {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect(),
-        Dtype::BF16 => {
-            bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
-        }
-        Dtype::F16 => {
-            bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
-        }
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
         other => return Err(format!("cannot read {other} as floating point")),
     })
 }
@@ -339,7 +382,10 @@ pub mod tests {
         let header = Header::parse(&bytes, 1 << 20).unwrap();
         assert_eq!(header.metadata["format"], "pt");
         let info = &header.tensors["a"];
-        assert_eq!((info.dtype, info.shape.clone(), info.begin, info.end), (Dtype::F32, vec![2, 3], 0, 24));
+        assert_eq!(
+            (info.dtype, info.shape.clone(), info.begin, info.end),
+            (Dtype::F32, vec![2, 3], 0, 24)
+        );
         assert_eq!(header.tensors["b"].begin, 24);
         let data = &bytes[header.data_start..];
         assert_eq!(decode_f32(Dtype::F32, &data[0..24]).unwrap()[5], 6.0);
@@ -364,12 +410,18 @@ pub mod tests {
     #[test]
     fn refuses_unknown_dtype_and_trailing_bytes() {
         let bytes = build(&[("", "F32", &[1], &[0u8; 4])], None);
-        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("empty name"));
+        assert!(Header::parse(&bytes, 1 << 20)
+            .unwrap_err()
+            .contains("empty name"));
         let bytes = build(&[("a", "F12", &[1], &[0u8; 4])], None);
-        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("unknown dtype F12"));
+        assert!(Header::parse(&bytes, 1 << 20)
+            .unwrap_err()
+            .contains("unknown dtype F12"));
         let mut bytes = build(&[("a", "F32", &[1], &[0u8; 4])], None);
         bytes.push(0);
-        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("file holds 5"));
+        assert!(Header::parse(&bytes, 1 << 20)
+            .unwrap_err()
+            .contains("file holds 5"));
     }
 
     #[test]
@@ -378,22 +430,34 @@ pub mod tests {
         let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
         bytes.extend_from_slice(text.as_bytes());
         bytes.push(0);
-        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("unexpected field \"x\""));
-        assert!(Header::parse(&bytes, 16).unwrap_err().contains("exceeds 16"));
+        assert!(Header::parse(&bytes, 1 << 20)
+            .unwrap_err()
+            .contains("unexpected field \"x\""));
+        assert!(Header::parse(&bytes, 16)
+            .unwrap_err()
+            .contains("exceeds 16"));
         let text = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
         let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
         bytes.extend_from_slice(text.as_bytes());
         bytes.push(0);
-        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("repeated key"));
+        assert!(Header::parse(&bytes, 1 << 20)
+            .unwrap_err()
+            .contains("repeated key"));
     }
 
     #[test]
     fn finds_non_finite_values() {
         let f32s = f32_bytes(&[1.0, f32::MAX, f32::INFINITY]);
         assert_eq!(first_non_finite(Dtype::F32, &f32s), Some(2));
-        assert_eq!(first_non_finite(Dtype::F32, &f32_bytes(&[0.0, -0.0, f32::MIN])), None);
+        assert_eq!(
+            first_non_finite(Dtype::F32, &f32_bytes(&[0.0, -0.0, f32::MIN])),
+            None
+        );
         // BF16: 0x7f7f is the largest finite value, 0x7fc0 a NaN, 0xff80 -inf.
-        assert_eq!(first_non_finite(Dtype::BF16, &[0x7f, 0x7f, 0xc0, 0x7f]), Some(1));
+        assert_eq!(
+            first_non_finite(Dtype::BF16, &[0x7f, 0x7f, 0xc0, 0x7f]),
+            Some(1)
+        );
         assert_eq!(first_non_finite(Dtype::BF16, &[0x80, 0xff]), Some(0));
     }
 
@@ -402,7 +466,9 @@ pub mod tests {
         assert!(Header::parse(&[1, 0, 0], 1 << 20).is_err());
         let mut bytes = 1000u64.to_le_bytes().to_vec();
         bytes.extend_from_slice(b"{}");
-        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("past the end"));
+        assert!(Header::parse(&bytes, 1 << 20)
+            .unwrap_err()
+            .contains("past the end"));
     }
 
     #[test]
@@ -411,6 +477,8 @@ pub mod tests {
         let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
         bytes.extend_from_slice(text.as_bytes());
         bytes.extend_from_slice(&[0; 3]);
-        assert!(Header::parse(&bytes, 1 << 20).unwrap_err().contains("gap or overlap"));
+        assert!(Header::parse(&bytes, 1 << 20)
+            .unwrap_err()
+            .contains("gap or overlap"));
     }
 }

@@ -24,7 +24,11 @@ struct LayerTensor {
 fn layer_tensors(cfg: &Config, layer_type: LayerType) -> Vec<LayerTensor> {
     let t = &cfg.text;
     let h = t.hidden_size;
-    let entry = |suffix, shape: &[usize], lora_target| LayerTensor { suffix, shape: shape.to_vec(), lora_target };
+    let entry = |suffix, shape: &[usize], lora_target| LayerTensor {
+        suffix,
+        shape: shape.to_vec(),
+        lora_target,
+    };
     let mut tensors = vec![
         entry("input_layernorm.weight", &[h], false),
         entry("post_attention_layernorm.weight", &[h], false),
@@ -38,7 +42,11 @@ fn layer_tensors(cfg: &Config, layer_type: LayerType) -> Vec<LayerTensor> {
                 entry("linear_attn.in_proj_b.weight", &[heads, h], true),
                 entry("linear_attn.in_proj_a.weight", &[heads, h], true),
                 entry("linear_attn.out_proj.weight", &[h, cfg.value_dim()], true),
-                entry("linear_attn.conv1d.weight", &[cfg.conv_dim(), 1, t.linear_conv_kernel_dim], false),
+                entry(
+                    "linear_attn.conv1d.weight",
+                    &[cfg.conv_dim(), 1, t.linear_conv_kernel_dim],
+                    false,
+                ),
                 entry("linear_attn.A_log", &[heads], false),
                 entry("linear_attn.dt_bias", &[heads], false),
                 entry("linear_attn.norm.weight", &[t.linear_value_head_dim], false),
@@ -70,11 +78,17 @@ fn layer_tensors(cfg: &Config, layer_type: LayerType) -> Vec<LayerTensor> {
 pub fn language(cfg: &Config) -> Table {
     let t = &cfg.text;
     let mut table = Table::new();
-    table.insert(format!("{LANGUAGE_PREFIX}embed_tokens.weight"), vec![t.vocab_size, t.hidden_size]);
+    table.insert(
+        format!("{LANGUAGE_PREFIX}embed_tokens.weight"),
+        vec![t.vocab_size, t.hidden_size],
+    );
     table.insert(format!("{LANGUAGE_PREFIX}norm.weight"), vec![t.hidden_size]);
     for (i, &layer_type) in t.layer_types.iter().enumerate() {
         for tensor in layer_tensors(cfg, layer_type) {
-            table.insert(format!("{LANGUAGE_PREFIX}layers.{i}.{}", tensor.suffix), tensor.shape);
+            table.insert(
+                format!("{LANGUAGE_PREFIX}layers.{i}.{}", tensor.suffix),
+                tensor.shape,
+            );
         }
     }
     table
@@ -96,7 +110,10 @@ pub struct LoraTarget {
 pub fn lora_targets(cfg: &Config) -> Vec<LoraTarget> {
     let mut targets = Vec::new();
     for (i, &layer_type) in cfg.text.layer_types.iter().enumerate() {
-        for tensor in layer_tensors(cfg, layer_type).into_iter().filter(|t| t.lora_target) {
+        for tensor in layer_tensors(cfg, layer_type)
+            .into_iter()
+            .filter(|t| t.lora_target)
+        {
             let module = format!("layers.{i}.{}", tensor.suffix.trim_end_matches(".weight"));
             let stem = format!("{ADAPTER_PREFIX}{LANGUAGE_PREFIX}{module}");
             targets.push(LoraTarget {
@@ -116,7 +133,12 @@ pub fn lora_targets(cfg: &Config) -> Vec<LoraTarget> {
 pub fn adapter(cfg: &Config, rank: usize) -> Table {
     lora_targets(cfg)
         .into_iter()
-        .flat_map(|t| [(t.lora_a, vec![rank, t.in_features]), (t.lora_b, vec![t.out_features, rank])])
+        .flat_map(|t| {
+            [
+                (t.lora_a, vec![rank, t.in_features]),
+                (t.lora_b, vec![t.out_features, rank]),
+            ]
+        })
         .collect()
 }
 
@@ -125,8 +147,19 @@ pub fn vision(cfg: &Config) -> Table {
     let v = &cfg.vision;
     let (h, i, m) = (v.hidden_size, v.intermediate_size, cfg.merged_dim());
     let mut table = Table::new();
-    let mut put = |name: String, shape: &[usize]| table.insert(format!("{VISION_PREFIX}{name}"), shape.to_vec());
-    put("patch_embed.proj.weight".into(), &[h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size]);
+    let mut put = |name: String, shape: &[usize]| {
+        table.insert(format!("{VISION_PREFIX}{name}"), shape.to_vec())
+    };
+    put(
+        "patch_embed.proj.weight".into(),
+        &[
+            h,
+            v.in_channels,
+            v.temporal_patch_size,
+            v.patch_size,
+            v.patch_size,
+        ],
+    );
     put("patch_embed.proj.bias".into(), &[h]);
     put("pos_embed.weight".into(), &[v.num_position_embeddings, h]);
     for (suffix, shape) in block_tensors(h, i) {
@@ -164,7 +197,11 @@ pub fn block_tensors(h: usize, i: usize) -> [(&'static str, Vec<usize>); 12] {
 /// §7: the head (both F32 `[projection_dim, text.hidden_size]`, names without prefix).
 pub fn head(cfg: &Config, projection_dim: usize) -> Table {
     let shape = vec![projection_dim, cfg.text.hidden_size];
-    [("candidate.weight".to_string(), shape.clone()), ("decision.weight".to_string(), shape)].into()
+    [
+        ("candidate.weight".to_string(), shape.clone()),
+        ("decision.weight".to_string(), shape),
+    ]
+    .into()
 }
 
 /// Compares tensors of `file` with a table: unexpected names, shapes, and the one dtype
@@ -182,16 +219,27 @@ pub fn compare<'a>(
             continue;
         };
         if &info.shape != shape {
-            problems.push(format!("{file}: tensor {name}: shape {:?}, expected {shape:?}", info.shape));
+            problems.push(format!(
+                "{file}: tensor {name}: shape {:?}, expected {shape:?}",
+                info.shape
+            ));
         }
         if info.dtype != dtype {
-            problems.push(format!("{file}: tensor {name}: dtype {}, expected {dtype}", info.dtype));
+            problems.push(format!(
+                "{file}: tensor {name}: dtype {}, expected {dtype}",
+                info.dtype
+            ));
         }
     }
 }
 
 /// Reports every name of `expected` that `present` lacks.
-pub fn report_missing(place: &str, expected: &Table, present: impl Fn(&str) -> bool, problems: &mut Problems) {
+pub fn report_missing(
+    place: &str,
+    expected: &Table,
+    present: impl Fn(&str) -> bool,
+    problems: &mut Problems,
+) {
     for (name, shape) in expected {
         if !present(name) {
             problems.push(format!("{place}: missing tensor {name} (shape {shape:?})"));
@@ -200,9 +248,20 @@ pub fn report_missing(place: &str, expected: &Table, present: impl Fn(&str) -> b
 }
 
 /// One file against its whole table.
-pub fn check_file(file: &str, header: &Header, expected: &Table, dtype: Dtype, problems: &mut Problems) {
+pub fn check_file(
+    file: &str,
+    header: &Header,
+    expected: &Table,
+    dtype: Dtype,
+    problems: &mut Problems,
+) {
     compare(file, header.tensors.iter(), expected, dtype, problems);
-    report_missing(file, expected, |name| header.tensors.contains_key(name), problems);
+    report_missing(
+        file,
+        expected,
+        |name| header.tensors.contains_key(name),
+        problems,
+    );
 }
 
 #[cfg(test)]
@@ -225,23 +284,50 @@ mod tests {
     fn shapes_follow_the_formulas() {
         let cfg = config::parse(&tiny()).unwrap();
         let lang = language(&cfg);
-        assert_eq!(lang["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"], [96, 64]);
-        assert_eq!(lang["model.language_model.layers.0.linear_attn.conv1d.weight"], [96, 1, 4]);
-        assert_eq!(lang["model.language_model.layers.3.self_attn.q_proj.weight"], [256, 64]);
-        assert_eq!(lang["model.language_model.layers.3.self_attn.o_proj.weight"], [64, 128]);
+        assert_eq!(
+            lang["model.language_model.layers.0.linear_attn.in_proj_qkv.weight"],
+            [96, 64]
+        );
+        assert_eq!(
+            lang["model.language_model.layers.0.linear_attn.conv1d.weight"],
+            [96, 1, 4]
+        );
+        assert_eq!(
+            lang["model.language_model.layers.3.self_attn.q_proj.weight"],
+            [256, 64]
+        );
+        assert_eq!(
+            lang["model.language_model.layers.3.self_attn.o_proj.weight"],
+            [64, 128]
+        );
         assert!(!lang.contains_key("model.language_model.layers.3.linear_attn.A_log"));
         let vis = vision(&cfg);
-        assert_eq!(vis["model.visual.patch_embed.proj.weight"], [32, 3, 2, 16, 16]);
+        assert_eq!(
+            vis["model.visual.patch_embed.proj.weight"],
+            [32, 3, 2, 16, 16]
+        );
         assert_eq!(vis["model.visual.merger.linear_fc2.weight"], [64, 128]);
     }
 
     #[test]
     fn lora_pairs_are_named_after_their_weight() {
         let cfg = config::parse(&tiny()).unwrap();
-        let down = lora_targets(&cfg).into_iter().find(|t| t.module == "layers.0.mlp.down_proj").unwrap();
-        assert_eq!(down.weight, "model.language_model.layers.0.mlp.down_proj.weight");
-        assert_eq!(down.lora_a, "base_model.model.model.language_model.layers.0.mlp.down_proj.lora_A.weight");
-        assert_eq!(down.lora_b, "base_model.model.model.language_model.layers.0.mlp.down_proj.lora_B.weight");
+        let down = lora_targets(&cfg)
+            .into_iter()
+            .find(|t| t.module == "layers.0.mlp.down_proj")
+            .unwrap();
+        assert_eq!(
+            down.weight,
+            "model.language_model.layers.0.mlp.down_proj.weight"
+        );
+        assert_eq!(
+            down.lora_a,
+            "base_model.model.model.language_model.layers.0.mlp.down_proj.lora_A.weight"
+        );
+        assert_eq!(
+            down.lora_b,
+            "base_model.model.model.language_model.layers.0.mlp.down_proj.lora_B.weight"
+        );
         assert_eq!((down.out_features, down.in_features), (64, 128));
         let adapter = adapter(&cfg, 8);
         assert_eq!(adapter[&down.lora_a], [8, 128]);

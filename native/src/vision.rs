@@ -6,10 +6,21 @@ use crate::report::Problems;
 use crate::safetensors::{Dtype, MappedFile};
 use crate::shapes;
 
-pub fn check(cfg: &Config, manifest: &Manifest, vision: Option<&MappedFile>, problems: &mut Problems) {
+pub fn check(
+    cfg: &Config,
+    manifest: &Manifest,
+    vision: Option<&MappedFile>,
+    problems: &mut Problems,
+) {
     let expected = shapes::vision(cfg);
     if let Some(vision) = vision {
-        shapes::check_file(manifest::VISION_FILE, &vision.header, &expected, Dtype::BF16, problems);
+        shapes::check_file(
+            manifest::VISION_FILE,
+            &vision.header,
+            &expected,
+            Dtype::BF16,
+            problems,
+        );
     }
     if manifest.vision.tensors != expected.len() {
         problems.push(format!(
@@ -20,7 +31,10 @@ pub fn check(cfg: &Config, manifest: &Manifest, vision: Option<&MappedFile>, pro
         ));
     }
     if let Err(e) = check_trained_blocks(&manifest.vision.trained_blocks, cfg.vision.depth as u64) {
-        problems.push(format!("{}: vision.trained_blocks: {e}", manifest::FILE_NAME));
+        problems.push(format!(
+            "{}: vision.trained_blocks: {e}",
+            manifest::FILE_NAME
+        ));
     }
 }
 
@@ -31,7 +45,9 @@ pub fn check_trained_blocks(blocks: &[u64], depth: u64) -> Result<(), String> {
     if blocks == expected.as_slice() {
         Ok(())
     } else {
-        Err(format!("expected the last {n} of {depth} blocks {expected:?}, found {blocks:?}"))
+        Err(format!(
+            "expected the last {n} of {depth} blocks {expected:?}, found {blocks:?}"
+        ))
     }
 }
 
@@ -44,8 +60,17 @@ mod tests {
         assert!(check_trained_blocks(&[], 24).is_ok());
         assert!(check_trained_blocks(&[20, 21, 22, 23], 24).is_ok());
         assert!(check_trained_blocks(&[0, 1, 2], 3).is_ok());
-        for bad in [&[21, 22, 23, 24][..], &[20, 22, 23], &[23, 22], &[0, 1, 2, 3], &[19, 20, 21, 22]] {
-            assert!(check_trained_blocks(bad, if bad == [0, 1, 2, 3] { 3 } else { 24 }).is_err(), "{bad:?}");
+        for bad in [
+            &[21, 22, 23, 24][..],
+            &[20, 22, 23],
+            &[23, 22],
+            &[0, 1, 2, 3],
+            &[19, 20, 21, 22],
+        ] {
+            assert!(
+                check_trained_blocks(bad, if bad == [0, 1, 2, 3] { 3 } else { 24 }).is_err(),
+                "{bad:?}"
+            );
         }
     }
 }
