@@ -41,6 +41,9 @@ damage wrong-scale separate '^valen_export\.json: lora\.scale: expected lora\.al
 damage wrong-trained-blocks merged '^valen_export\.json: vision\.trained_blocks: expected the last 2 of'
 damage repeated-key separate '^valen_head\.safetensors: header is not valid JSON: repeated key'
 damage fp32-source-mismatch single '^fp32_sources\.safetensors: tensor .*: element 0 does not round'
+damage transposed-lora-a separate '^adapter_model\.safetensors: tensor .*mlp\.gate_proj\.lora_A\.weight: shape \[64, 32\], expected \[32, 64\]'
+damage listed-extra-file merged '^valen_export\.json: files: notes\.txt is not a file of this export'
+damage uppercase-hash separate '^valen_export\.json: files\.config\.json\.sha256: expected 64 lowercase hex digits'
 damage wrong-shape separate '^valen_head\.safetensors: tensor candidate\.weight: shape \[64, 256\], expected \[256, 64\]'
 
 # Vectors: another export's file, a tampered expected value, and separate-mode probes
@@ -53,6 +56,9 @@ v = json.load(open(f"{d}/separate.vectors.json"))
 v["projections"][1]["expected"][0][3] += 4 * v["projections"][1]["bound"][0][3]
 json.dump(v, open(f"{w}/tampered.vectors.json", "w"))
 v = json.load(open(f"{d}/separate.vectors.json"))
+v["head"]["bound"] = [b * 10 for b in v["head"]["bound"]]
+json.dump(v, open(f"{w}/loose.vectors.json", "w"))
+v = json.load(open(f"{d}/separate.vectors.json"))
 m = json.load(open(f"{d}/merged/valen_export.json"))
 v["manifest_sha256"] = hashlib.sha256(open(f"{d}/merged/valen_export.json", "rb").read()).hexdigest()
 v["lora_mode"] = "merged"
@@ -61,6 +67,7 @@ for p in v["projections"]:
 json.dump(v, open(f"{w}/cross.vectors.json", "w"))
 PY
 expect 1 'projection layers\.3\.self_attn\.o_proj \(separate\): 1 of 128 values differ' "$dir/separate" --vectors "$work/tampered.vectors.json"
+expect 1 'head logits: bound\[0\] = .* is larger than section 14' "$dir/separate" --vectors "$work/loose.vectors.json"
 expect 1 'projection .*\(merged\): [0-9]+ of [0-9]+ values differ from expected beyond the bound' "$dir/merged" --vectors "$work/cross.vectors.json"
 expect 2 'usage' "$dir/separate" --vectors
 expect 2 'not a directory' "$work/does-not-exist"

@@ -149,6 +149,26 @@ def wrong_shape(export):
     write_st(path, meta, tensors)
 
 
+def transposed_lora_a(export):
+    path = export / "adapter_model.safetensors"
+    meta, tensors = read_st(path)
+    name = sorted(n for n in tensors if n.endswith("mlp.gate_proj.lora_A.weight"))[0]
+    dtype, shape, raw = tensors[name]
+    tensors[name] = (dtype, shape[::-1], raw)
+    write_st(path, meta, tensors)
+
+
+def listed_extra_file(export):
+    (export / "notes.txt").write_text("not part of the export\n")
+    edit_manifest(export, lambda m: m["files"].update({"notes.txt": {"sha256": "0" * 64, "size": 0}}))
+
+
+def uppercase_hash(export):
+    rehash(export)
+    edit_manifest(export, lambda m: m["files"]["config.json"].update(sha256=m["files"]["config.json"]["sha256"].upper()))
+    return False
+
+
 CASES = {
     "flipped-byte": flipped_byte,
     "missing-lora-b": missing_lora_b,
@@ -162,6 +182,9 @@ CASES = {
     "repeated-key": repeated_key,
     "fp32-source-mismatch": fp32_source_mismatch,
     "wrong-shape": wrong_shape,
+    "transposed-lora-a": transposed_lora_a,
+    "listed-extra-file": listed_extra_file,
+    "uppercase-hash": uppercase_hash,
 }
 
 

@@ -428,16 +428,23 @@ fn check_vision_rules(vision: Obj, v: &Vision, errors: &mut Errors) {
             )
         });
     }
-    let theta = vision
-        .opt("rope_parameters")
-        .and_then(|r| r.get("rope_theta"));
-    if let Some(theta) = theta.filter(|t| !t.is_null()) {
-        errors.require(theta.as_f64() == Some(10000.0), || {
-            format!(
-                "vision_config.rope_parameters.rope_theta: expected 10000, found {}",
-                show(theta)
-            )
-        });
+    // Nulls are gone already (null counts as absent).
+    match vision.opt("rope_parameters").map(|r| (r, r.as_object())) {
+        None => {}
+        Some((rope, None)) => errors.0.push(format!(
+            "vision_config.rope_parameters: expected an object, found {}",
+            show(rope)
+        )),
+        Some((_, Some(rope))) => {
+            if let Some(theta) = rope.get("rope_theta") {
+                errors.require(theta.as_f64() == Some(10000.0), || {
+                    format!(
+                        "vision_config.rope_parameters.rope_theta: expected 10000, found {}",
+                        show(theta)
+                    )
+                });
+            }
+        }
     }
 }
 
@@ -638,6 +645,10 @@ pub mod tests {
                 |v| v["vision_config"]["rope_parameters"] = json!({"rope_theta": 500}),
                 "vision_config.rope_parameters.rope_theta",
             ),
+            (
+                |v| v["vision_config"]["rope_parameters"] = json!([10000]),
+                "vision_config.rope_parameters: expected an object",
+            ),
             (|v| v["image_token_id"] = json!("12"), "image_token_id"),
         ];
         for (edit, field) in cases {
@@ -646,6 +657,15 @@ pub mod tests {
                 errors.iter().any(|e| e.contains(field)),
                 "{field}: {errors:?}"
             );
+        }
+    }
+
+    #[test]
+    fn accepts_vision_theta_as_integer_or_float() {
+        for theta in [json!(10000), json!(10000.0)] {
+            let mut v = tiny();
+            v["vision_config"]["rope_parameters"] = json!({ "rope_theta": theta });
+            assert!(parse(&v).is_ok());
         }
     }
 

@@ -480,7 +480,9 @@ fn projection(obj: Obj, export: &Export) -> Result<(String, Vec<String>), String
                         .collect::<Vec<_>>()
                 })
                 .collect();
-            ((inp + r + 2) as u64, got, c)
+            // in for A·x, rank for B·(·), the scale's rounding to f32, the multiplication
+            // by it, the final addition (this code rounds the scale product once, from f64).
+            ((inp + r + 3) as u64, got, c)
         }
     };
     if obj.uint("roundings")? != n {
