@@ -7,7 +7,6 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::check::Export;
-use crate::config::LayerType;
 use crate::head::{self, CANDIDATE, DECISION};
 use crate::json::{self, show, Obj};
 use crate::manifest::LoraMode;
@@ -329,21 +328,6 @@ fn head_probe(obj: Obj, export: &Export) -> Result<Vec<String>, String> {
     Ok(compare("head logits", &got, &expected, &bound, &ours, 0))
 }
 
-/// §14: the first linear layer's in_proj_qkv, the first full layer's o_proj, the last down_proj.
-fn probed_modules(export: &Export) -> Vec<String> {
-    let types = &export.config.text.layer_types;
-    let first = |t: LayerType| types.iter().position(|&x| x == t);
-    let mut modules = Vec::new();
-    if let Some(i) = first(LayerType::Linear) {
-        modules.push(format!("layers.{i}.linear_attn.in_proj_qkv"));
-    }
-    if let Some(i) = first(LayerType::Full) {
-        modules.push(format!("layers.{i}.self_attn.o_proj"));
-    }
-    modules.push(format!("layers.{}.mlp.down_proj", types.len() - 1));
-    modules
-}
-
 fn projections(items: &[Value], export: &Export) -> Result<Vec<String>, String> {
     let mut probed: Vec<String> = Vec::new();
     let mut lines = Vec::new();
@@ -359,13 +343,13 @@ fn projections(items: &[Value], export: &Export) -> Result<Vec<String>, String> 
             Err(e) => lines.push(e),
         }
     }
-    let mut want = probed_modules(export);
-    want.sort();
+    // §14: any non-empty list of distinct LoRA targets.
+    if items.is_empty() {
+        lines.push("projections: expected at least one probe".to_string());
+    }
     probed.sort();
-    if probed != want && lines.is_empty() {
-        lines.push(format!(
-            "projections: probe {probed:?}, section 14 names {want:?}"
-        ));
+    if let Some(pair) = probed.windows(2).find(|w| w[0] == w[1]) {
+        lines.push(format!("projections: {} is probed twice", pair[0]));
     }
     Ok(lines)
 }
