@@ -20,10 +20,12 @@ from valen_runtime.errors import WeightsError
 from valen_runtime.manifest import Manifest
 from valen_runtime.safetensors_file import SafetensorsFile, all_finite
 
-from . import inventory
+from valen_runtime.errors import ConfigError
+
+from . import tensor_table as table
 
 LORA_HEADER_LIMIT = 8 * 1024 * 1024
-LORA_KEY = re.compile(r"^base_model\.model\.model\.language_model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+LORA_KEY = re.compile("^" + re.escape(table.LORA_KEY_PREFIX) + r"(layers\.\d+\..+)\.lora_([AB])\.weight$")
 
 
 def check_config(config: dict, where: str) -> list[str]:
@@ -118,7 +120,10 @@ def verify_export(export_dir: Path, rehash: bool = True) -> list[str]:
     failures += check_config(config, str(root / "config.json"))
     if failures:
         return failures
-    tc = inventory.text_config(config)
+    try:
+        cfg = table.model_config(config)
+    except ConfigError as e:
+        return [f"{root / 'config.json'}: {e}"]
     lang = m.data["language"]
 
     # Language set, as the native Weights::load selects it.
@@ -149,12 +154,12 @@ def verify_export(export_dir: Path, rehash: bool = True) -> list[str]:
     if wm is not None:
         for name in sorted(set(wm) - set(lang_infos)):
             failures.append(f"{root / index_name}: maps {name} to a file that does not hold it")
-    expected_lang = {inventory.LANGUAGE_PREFIX + n: s for n, s in inventory.language_shapes(config).items()}
-    _check_inventory(lang_infos, expected_lang, "BF16", "language files", failures)
+    expected_lang = {table.LANGUAGE_PREFIX + n: s for n, s in table.expand(table.LANGUAGE, cfg).items()}
+    _check_inventory(lang_infos, expected_lang, table.LANGUAGE.dtype, "language files", failures)
 
     # LoRA (separate mode).
     lora = m.data["lora"]
-    linears = inventory.linear_shapes(tc)
+    linears = table.lora_targets(cfg)
     if lora.get("mode") == "separate":
         path = m.path(lora["file"])
         sf = _open(path, failures)
@@ -165,24 +170,24 @@ def verify_export(export_dir: Path, rehash: bool = True) -> list[str]:
             for name, info in sf.tensors.items():
                 mt = LORA_KEY.match(name)
                 if not mt:
-                    failures.append(f"{path}: key {name} does not follow base_model.model.model.language_model.layers.{{i}}.{{module}}.lora_{{A,B}}.weight")
+                    failures.append(f"{path}: key {name} does not follow {table.LORA_KEY_PREFIX}layers.{{i}}.{{module}}.lora_{{A,B}}.weight")
                     continue
-                module = f"layers.{mt.group(1)}.{mt.group(2)}"
+                module = mt.group(1)
                 if module not in linears:
                     failures.append(f"{path}: {name}: unsupported LoRA target {module}")
                     continue
-                if info.dtype != "F32" or len(info.shape) != 2:
-                    failures.append(f"{path}: {name} must be 2-D F32, got {info.dtype} {list(info.shape)}")
+                if info.dtype != table.LORA_DTYPE or len(info.shape) != 2:
+                    failures.append(f"{path}: {name} must be 2-D {table.LORA_DTYPE}, got {info.dtype} {list(info.shape)}")
                     continue
-                pairs.setdefault(module, {})[mt.group(3)] = info.shape
+                pairs.setdefault(module, {})[mt.group(2)] = info.shape
             for module, ab in sorted(pairs.items()):
                 if set(ab) != {"A", "B"}:
                     failures.append(f"{path}: {module} has lora_{''.join(sorted(ab))} without its pair")
                     continue
                 out_f, in_f = linears[module]
                 ra, rb = ab["A"][0], ab["B"][1]
-                if ra != rb or not 1 <= ra <= 128 or ra != lora.get("rank"):
-                    failures.append(f"{path}: {module} rank A {ra} / B {rb} must match each other, lie in 1..128 and equal the manifest rank {lora.get('rank')}")
+                if ra != rb or not 1 <= ra <= table.LORA_RANK_LIMIT or ra != lora.get("rank"):
+                    failures.append(f"{path}: {module} rank A {ra} / B {rb} must match each other, lie in 1..{table.LORA_RANK_LIMIT} and equal the manifest rank {lora.get('rank')}")
                 if tuple(ab["A"]) != (ra, in_f) or tuple(ab["B"]) != (out_f, rb):
                     failures.append(f"{path}: {module} shapes A {list(ab['A'])} B {list(ab['B'])}, expected A [{ra}, {in_f}] B [{out_f}, {rb}]")
             if len(pairs) != lora.get("pairs"):
@@ -198,8 +203,8 @@ def verify_export(export_dir: Path, rehash: bool = True) -> list[str]:
     vpath = m.path(m.data["vision"]["file"])
     sf = _open(vpath, failures)
     if sf is not None:
-        expected_vision = {inventory.VISION_PREFIX + n: s for n, s in inventory.vision_shapes(config).items()}
-        _check_inventory(sf.tensors, expected_vision, "BF16", str(vpath), failures)
+        expected_vision = {table.VISION_PREFIX + n: s for n, s in table.expand(table.VISION, cfg).items()}
+        _check_inventory(sf.tensors, expected_vision, table.VISION.dtype, str(vpath), failures)
         _check_values(sf, failures)
 
     # Head: FP32 [projection_dim, hidden].
@@ -207,9 +212,8 @@ def verify_export(export_dir: Path, rehash: bool = True) -> list[str]:
     hpath = m.path(head["file"])
     sf = _open(hpath, failures)
     if sf is not None:
-        proj = head.get("projection_dim")
-        expected_head = {n: (proj, tc["hidden_size"]) for n in head.get("tensors", {})}
-        _check_inventory(sf.tensors, expected_head, "F32", str(hpath), failures)
+        expected_head = table.expand(table.HEAD, cfg, table.symbols_for(cfg, projection_dim=head["projection_dim"]))
+        _check_inventory(sf.tensors, expected_head, table.HEAD.dtype, str(hpath), failures)
         _check_values(sf, failures)
 
     # FP32 sources must round to exactly the BF16 values shipped in the language files.
