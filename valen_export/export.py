@@ -28,6 +28,7 @@ from . import tensor_table as table
 from .atomic import AtomicDirectory
 from .errors import ExportError
 from .plan import MERGE_RULE, ExportPlan, plan_export
+from .verify import schema_problems
 from .sources import Base, check_base_inventory, check_trainable_set, load_pins, open_base, open_checkpoint
 
 MODEL_ID = "valen-preview-0923"
@@ -244,6 +245,9 @@ def export(
                 "exporter": {"name": "valen-export", "version": EXPORTER_VERSION, "sha256": _exporter_sha256()},
                 "producer_runtime": producer_runtime(),
             }
+            problems = schema_problems(manifest)
+            if problems:  # a bug here, never bad input: the schema describes what this function writes
+                raise ExportError(f"{MANIFEST_NAME} would break manifests/valen-native-1.schema.json: {problems[0]}")
             job.current = MANIFEST_NAME
             _write_bytes(tmp / MANIFEST_NAME, (json.dumps(manifest, indent=2, ensure_ascii=False) + "\n").encode())
             job.commit("the finished export", "another export may have won the race")
