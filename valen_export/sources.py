@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from valen_runtime.errors import WeightsError
+from valen_runtime.errors import ConfigError, WeightsError
 from valen_runtime.safetensors_file import SafetensorsFile, all_finite, sha256_file
 
 from . import inventory, tensor_table
@@ -194,6 +194,10 @@ def open_base(folder: Path, pins: dict, checkpoint: Checkpoint, progress=None) -
 def check_base_inventory(base: Base) -> None:
     """Every language and vision tensor the config implies must be present with its shape."""
     problems = []
+    try:
+        tensor_table.model_config(base.config)  # the runtime's own refusals, once, naming the file
+    except ConfigError as e:
+        raise ExportError(f"{base.folder / 'config.json'}: {e}") from None
     expected = {inventory.LANGUAGE_PREFIX + n: s for n, s in inventory.language_shapes(base.config).items()}
     expected.update({inventory.VISION_PREFIX + n: s for n, s in inventory.vision_shapes(base.config).items()})
     for name, shape in expected.items():

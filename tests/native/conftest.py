@@ -49,9 +49,10 @@ def native_binary() -> Path:
         _unavailable("cargo not found (install Rust, then `make native-deps native-check`)")
     if not CRATE.is_file():
         _unavailable(f"{CRATE.relative_to(REPO)} not found")
+    env = dict(os.environ, PATH=f"{Path(cargo).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # rustc beside cargo
     build = subprocess.run(
         [cargo, "build", "--release", "--offline", "--manifest-path", str(CRATE)],
-        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, env=env,
     )
     if build.returncode != 0:
         # A build failure is a real failure, not a skip: the crate is part of the product.

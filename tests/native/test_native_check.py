@@ -2,7 +2,8 @@
 valen-native-check (Rust, native/). Both accept fresh tiny exports in both LoRA modes (the Rust
 one also recomputes the conformance vectors) and both refuse each damaged copy with exit 1.
 
-The Rust side needs cargo and Debian's crate packages (`make native-deps`); without cargo it is
+The Rust side is marked slow (its first build takes minutes: `make test` and `make native-check`
+run it, `make test-fast` does not); it needs cargo and Debian's crate packages (`make native-deps`); without cargo it is
 skipped with a plain message (`make native-check` makes that a failure instead).
 """
 
@@ -30,17 +31,20 @@ def test_python_reader_accepts_fresh_exports(native_exports, name):
     assert verify_export(native_exports[name]) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GOOD)
 def test_native_reader_accepts_fresh_exports_with_their_vectors(native_binary, native_exports, native_vectors, name):
     result = run_native(native_binary, native_exports[name], native_vectors[name])
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_native_reader_refuses_vectors_of_another_export(native_binary, native_exports, native_vectors):
     result = run_native(native_binary, native_exports["separate"], native_vectors["merged"])
     assert result.returncode == 1, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_native_reader_refuses_a_wrong_expected_value(native_binary, native_exports, native_vectors, tmp_path):
     vectors = json.loads(native_vectors["separate"].read_text())
     probe = vectors["projections"][0]
@@ -52,6 +56,7 @@ def test_native_reader_refuses_a_wrong_expected_value(native_binary, native_expo
     assert result.returncode == 1, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_native_reader_usage_error_exits_2(native_binary):
     result = subprocess.run([str(native_binary)], capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
     assert result.returncode == 2
@@ -81,6 +86,7 @@ def test_python_reader_refuses_damage(damaged):
     assert any(word in line for line in failures), failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damaged", DAMAGE_NAMES, indirect=True)
 def test_native_reader_refuses_damage(native_binary, damaged):
     export, word = damaged

@@ -181,3 +181,14 @@ def test_verify_reports_each_failure(tiny_export, tmp_path):
     assert any("extra.bin: not listed" in ln for ln in fails)
     ok = CliRunner().invoke(verify_command, [str(tiny_export["merged"])])
     assert ok.exit_code == 0, ok.output
+
+
+def test_base_config_the_runtime_refuses_is_refused_naming_the_file(work, tmp_path):
+    config_path = work / "base" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["text_config"]["layer_types"][0] = "sliding_attention"
+    config_path.write_text(json.dumps(config))
+    out = tmp_path / "out"
+    result = run_export(work / "checkpoint", work / "base", work / "pins.json", out)
+    assert result.exit_code == 2 and not out.exists()
+    assert "config.json: text_config.layer_types[0]" in result.output and "Traceback" not in result.output
