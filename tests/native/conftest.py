@@ -50,9 +50,11 @@ def native_binary() -> Path:
     if not CRATE.is_file():
         _unavailable(f"{CRATE.relative_to(REPO)} not found")
     env = dict(os.environ, PATH=f"{Path(cargo).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # rustc beside cargo
+    # Run from native/: cargo finds a crate's .cargo/config.toml (the Debian directory source)
+    # from the working directory, not from --manifest-path.
     build = subprocess.run(
         [cargo, "build", "--release", "--offline", "--manifest-path", str(CRATE)],
-        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, env=env,
+        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, env=env, cwd=CRATE.parent,
     )
     if build.returncode != 0:
         # A build failure is a real failure, not a skip: the crate is part of the product.
