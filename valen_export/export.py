@@ -28,8 +28,8 @@ from . import tensor_table as table
 from .atomic import AtomicDirectory
 from .errors import ExportError
 from .plan import MERGE_RULE, ExportPlan, plan_export
-from .verify import schema_problems
 from .sources import Base, check_base_inventory, check_trainable_set, load_pins, open_base, open_checkpoint
+from .verify import schema_problems
 
 MODEL_ID = "valen-preview-0923"
 EXPORTER_VERSION = "0.1.0"
