@@ -144,8 +144,8 @@ def _projection(ex: _Export, module: str, out_f: int, in_f: int, gen: torch.Gene
         a, b, s = ex.get(a_name), ex.get(b_name), lora["scale"]
         y = y + s * ((x @ a.T) @ b.T)
         condition = condition + abs(s) * ((x.abs() @ a.abs().T) @ b.abs().T)
-        # Per term: in roundings (x.A), r (B), the scale and the final addition.
-        n = in_f + a.shape[0] + 2
+        # Per term: in roundings (x.A), r (B), the scale's own rounding to float32, the scaling, the final addition.
+        n = in_f + a.shape[0] + 3
         probe.update(lora_a=a_name, lora_b=b_name, scale=s)
     else:
         probe.update(lora_a=None, lora_b=None, scale=None)

@@ -45,10 +45,16 @@ def schema_problems(manifest: dict) -> list[str]:
     return out
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def check_config(config: dict, where: str) -> list[str]:
     """The native loader's config.json requirements (docs/export-format.md), shape-independent."""
     out = []
-    tc = config.get("text_config", config)
+    if not isinstance(config.get("text_config"), dict) or not isinstance(config.get("vision_config"), dict):
+        return [f"{where}: text_config and vision_config must be objects"]
+    tc = config["text_config"]
 
     def need(cond, msg):
         if not cond:
@@ -61,15 +67,20 @@ def check_config(config: dict, where: str) -> list[str]:
     need(tc.get("hidden_act") == "silu", f"text_config.hidden_act is {tc.get('hidden_act')!r}, expected 'silu'")
     need(tc.get("attn_output_gate", True) is True, "text_config.attn_output_gate must be true or absent")
     need(tc.get("attention_bias") is not True, "text_config.attention_bias must not be true")
-    rope = tc.get("rope_parameters") or {}
+    rope = tc.get("rope_parameters")
+    if rope is not None and not isinstance(rope, dict):
+        need(False, "text_config.rope_parameters must be an object when present")
+    rope = rope if isinstance(rope, dict) else {}
     need(rope.get("rope_type", "default") == "default", f"rope_parameters.rope_type is {rope.get('rope_type')!r}, expected 'default'")
     need(tc.get("linear_conv_kernel_dim") == 4, "text_config.linear_conv_kernel_dim must be 4")
     theta = rope.get("rope_theta", tc.get("rope_theta"))
-    need(isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0, "rope_theta must be finite and > 0")
+    need(_is_number(theta) and math.isfinite(theta) and theta > 0, "rope_theta must be finite and > 0")
     need(rope.get("mrope_interleaved", True) is not False, "rope_parameters.mrope_interleaved must not be false")
-    hd, prf = tc.get("head_dim"), rope.get("partial_rotary_factor", 0.25)
+    hd, prf = tc.get("head_dim"), rope.get("partial_rotary_factor", tc.get("partial_rotary_factor", 0.25))
     section = rope.get("mrope_section", [11, 11, 10])
-    if isinstance(hd, int):
+    if not (isinstance(section, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in section)):
+        need(False, f"rope_parameters.mrope_section {section!r} must be a list of integers")
+    elif isinstance(hd, int) and _is_number(prf) and math.isfinite(prf):
         need(sum(section) == int(hd * prf) // 2, f"rope_parameters.mrope_section {section} must sum to head_dim*partial_rotary_factor/2 = {int(hd * prf) // 2}")
     mpe = tc.get("max_position_embeddings")
     need(isinstance(mpe, int) and 0 < mpe <= 2**24, "text_config.max_position_embeddings must be in (0, 2^24]")
@@ -80,7 +91,8 @@ def check_config(config: dict, where: str) -> list[str]:
         need(tc["num_attention_heads"] % tc["num_key_value_heads"] == 0, "num_attention_heads must be divisible by num_key_value_heads")
         need(tc["linear_num_value_heads"] % tc["linear_num_key_heads"] == 0, "linear_num_value_heads must be divisible by linear_num_key_heads")
         need(tc["hidden_size"] % 8 == 0, "hidden_size must be divisible by 8")
-    vc = config.get("vision_config") or {}
+    vc = config["vision_config"]
+    need(vc.get("rope_parameters") is None or isinstance(vc["rope_parameters"], dict), "vision_config.rope_parameters must be an object when present")
     need(config.get("model_type") == "qwen3_5", f"model_type is {config.get('model_type')!r}, expected 'qwen3_5'")
     need(vc.get("out_hidden_size") == tc.get("hidden_size"), "vision_config.out_hidden_size must equal text_config.hidden_size")
     need(not vc.get("deepstack_visual_indexes"), "vision_config.deepstack_visual_indexes must be empty")
