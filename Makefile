@@ -53,7 +53,7 @@ native-deps:
 # damaged ones; fails (does not skip) when cargo is missing.
 native-check: $(STAMP)
 	@test -n "$(CARGO)" || { echo "$(NATIVE_SKIPPED)" >&2; exit 1; }
-	cd native && $(CARGO) build --release --offline --manifest-path Cargo.toml  # from native/: cargo reads .cargo/config.toml from the working directory
+	cd native && $(CARGO) build --release --offline --manifest-path Cargo.toml
 	VALEN_NATIVE_REQUIRED=1 $(BIN)/python -m pytest -q tests/native
 
 clean:

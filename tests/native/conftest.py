@@ -50,8 +50,8 @@ def native_binary() -> Path:
     if not CRATE.is_file():
         _unavailable(f"{CRATE.relative_to(REPO)} not found")
     env = dict(os.environ, PATH=f"{Path(cargo).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # rustc beside cargo
-    # Run from native/: cargo finds a crate's .cargo/config.toml (the Debian directory source)
-    # from the working directory, not from --manifest-path.
+    # Run from native/: cargo looks for .cargo/config.toml (the Debian directory source) from the
+    # working directory upwards, not from --manifest-path; from native/ it is found either way.
     build = subprocess.run(
         [cargo, "build", "--release", "--offline", "--manifest-path", str(CRATE)],
         capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, env=env, cwd=CRATE.parent,
