@@ -7,7 +7,13 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONHASHSEED := 0
 
-.PHONY: demo test fuzz test-fast test-slow parity-gate gpu-wheels clean
+# The native check (docs/export-format.md): the Rust reader in native/, built offline from Debian's
+# packaged crates. cargo is often only in rustup's ~/.cargo/bin, so look there too.
+CARGO ?= $(shell command -v cargo 2>/dev/null || (test -x $(HOME)/.cargo/bin/cargo && echo $(HOME)/.cargo/bin/cargo))
+NATIVE_DEBS := librust-serde-json-dev librust-sha2-dev librust-memmap2-dev librust-half-dev
+NATIVE_SKIPPED := native check SKIPPED: cargo not found (install Rust, then run make native-deps native-check)
+
+.PHONY: demo test fuzz test-fast test-slow parity-gate gpu-wheels clean native-deps native-check
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +26,9 @@ demo: $(STAMP)
 
 # Hypothesis runs derandomized with no example database in tests (profile "ci", tests/conftest.py).
 test: $(STAMP)
+	@test -n "$(CARGO)" || echo "$(NATIVE_SKIPPED)"
 	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -m "not gpu" tests
+	@test -n "$(CARGO)" || echo "$(NATIVE_SKIPPED)"
 	$(MAKE) parity-gate
 
 # Random search for people hunting bugs: the same properties, many more examples, failures kept
@@ -41,6 +49,18 @@ parity-gate: $(STAMP)
 # Wheels the GPU machine lacks (pinned reference stack + fla-core), into .whl/ for benchmarks/gpu_run.sh.
 gpu-wheels:
 	bash benchmarks/fetch_gpu_wheels.sh
+
+# Debian's Rust crate sources (into /usr/share/cargo/registry, the crate's directory source); needs root.
+native-deps:
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(NATIVE_DEBS)
+
+# Build valen-native-check and run it on fresh tiny exports (both LoRA modes, with vectors) and on
+# damaged ones; fails (does not skip) when cargo is missing.
+native-check: $(STAMP)
+	@test -n "$(CARGO)" || { echo "$(NATIVE_SKIPPED)" >&2; exit 1; }
+	cd native && $(CARGO) build --release --offline --manifest-path Cargo.toml
+	VALEN_NATIVE_REQUIRED=1 $(BIN)/python -m pytest -q tests/native
 
 clean:
 	rm -rf build .pytest_cache .hypothesis

@@ -47,7 +47,8 @@ from valen_runtime.safetensors_file import sha256_file
 
 from .errors import ExportError
 from .atomic import AtomicDirectory, fsync_dir
-from .export import DEFAULT_PINS, INDEX_FILE, REQUIRED_ASSETS, TEXT_ASSETS
+from .export import DEFAULT_PINS
+from .tensor_table import COPIED_FILES as TEXT_ASSETS, INDEX_FILE, REQUIRED_COPIED_FILES as REQUIRED_ASSETS
 from .sources import load_pins, open_checkpoint
 
 COMMIT = re.compile(r"^[0-9a-f]{40}$")

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from valen_runtime.errors import WeightsError
+from valen_runtime.errors import ConfigError, WeightsError
 from valen_runtime.safetensors_file import SafetensorsFile, all_finite, sha256_file
 
-from . import inventory
+from . import inventory, tensor_table
 from .errors import ExportError
 
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -43,6 +43,10 @@ def load_pins(path: Path) -> dict:
     for field in ("checkpoint", "base", "expected_config", "trainable_inventory"):
         if not isinstance(pins.get(field), dict):
             raise ExportError(f"{path}: missing object field {field!r}")
+    head = pins["trainable_inventory"].get("head")
+    names = head.get("names") if isinstance(head, dict) else None
+    if not isinstance(names, list) or sorted(map(str, names)) != tensor_table.head_names():
+        raise ExportError(f"{path}: trainable_inventory.head.names is {names!r}, expected {tensor_table.head_names()} (the valen-native/1 head)")
     return pins
 
 
@@ -190,6 +194,10 @@ def open_base(folder: Path, pins: dict, checkpoint: Checkpoint, progress=None) -
 def check_base_inventory(base: Base) -> None:
     """Every language and vision tensor the config implies must be present with its shape."""
     problems = []
+    try:
+        tensor_table.model_config(base.config)  # the runtime's own refusals, once, naming the file
+    except ConfigError as e:
+        raise ExportError(f"{base.folder / 'config.json'}: {e}") from None
     expected = {inventory.LANGUAGE_PREFIX + n: s for n, s in inventory.language_shapes(base.config).items()}
     expected.update({inventory.VISION_PREFIX + n: s for n, s in inventory.vision_shapes(base.config).items()})
     for name, shape in expected.items():

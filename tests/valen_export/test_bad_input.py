@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -188,3 +189,41 @@ def test_bad_max_shard_size_is_one_line(work, tmp_path, size):
     out = tmp_path / "out"
     result = run_export(work / "checkpoint", work / "base", work / "pins.json", out, "--max-shard-size", size)
     assert_refused(result, out, "--max-shard-size", "finite number of GiB >= 0")
+
+
+def test_base_config_the_runtime_refuses_is_refused_naming_the_file(work, tmp_path):
+    config_path = work / "base" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["text_config"]["layer_types"][0] = "sliding_attention"
+    config_path.write_text(json.dumps(config))
+    out = tmp_path / "out"
+    result = run_export(work / "checkpoint", work / "base", work / "pins.json", out)
+    assert result.exit_code == 2 and not out.exists()
+    assert "config.json: text_config.layer_types[0]" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda c: c.update(text_config="qwen"),
+        lambda c: c["text_config"].update(rope_parameters=[1]),
+        lambda c: c["text_config"]["rope_parameters"].update(mrope_section="11,11,10"),
+        lambda c: c["text_config"]["rope_parameters"].update(partial_rotary_factor="0.25"),
+        lambda c: c["vision_config"].update(rope_parameters=[10000]),
+        lambda c: c["text_config"]["rope_parameters"].update(partial_rotary_factor=0.3),
+    ],
+    ids=["text-config-not-object", "rope-not-object", "section-not-list", "factor-not-number", "vision-rope-not-object", "rotary-not-whole"],
+)
+def test_verify_refuses_odd_config_values_in_one_line(tiny_export, tmp_path, change):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_export["merged"], bad)
+    config = json.loads((bad / "config.json").read_text())
+    change(config)
+    (bad / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((bad / "valen_export.json").read_text())
+    data = (bad / "config.json").read_bytes()
+    manifest["files"]["config.json"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (bad / "valen_export.json").write_text(json.dumps(manifest, indent=2))
+    result = CliRunner().invoke(verify_command, [str(bad)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output  # a refusal, not a crash
+    assert "config.json" in result.output and "Traceback" not in result.output

@@ -102,7 +102,7 @@ def test_merged_equals_peft_fp32_merge_rounded_once(tiny_fixture, tiny_export):
         if name in fp32_sources:
             assert torch.equal(ref, fp32_sources[name])  # FP32 originals kept exactly
         assert torch.equal(t, ref.to(torch.bfloat16)), name
-        n_lora += rest[: -len(".weight")] in inventory.linear_shapes(inventory.text_config(json.loads((tiny_fixture.base / "config.json").read_text())))
+        n_lora += rest[: -len(".weight")] in inventory.linear_shapes(json.loads((tiny_fixture.base / "config.json").read_text()))
     assert n_lora == 31
     separate = read_all(tiny_export["separate"], "language")
     changed = [n for n in lang if not torch.equal(lang[n], separate[n])]
