@@ -157,7 +157,7 @@ def main() -> None:
         configs = configs[:2]
     if args.only:
         configs = [c for c in configs if any(t in c[0] for t in args.only)]
-    from valen_runtime.compile import Compiler
+    from valen_runtime.request import Compiler
     from valen_runtime.manifest import Manifest
     from valen_runtime.weights import load_model
 

@@ -105,7 +105,7 @@ def main() -> None:
 
     from valen_export.export import export
     from valen_export.fixture import build_fixture
-    from valen_runtime.compile import Compiler
+    from valen_runtime.request import Compiler
     from valen_runtime.engine import Engine
     from valen_runtime.weights import load_model
 

@@ -41,7 +41,7 @@ def main(export_dir, device, dtype, mode, temperature, calibration, verify, comp
     import torch
 
     from .answers import load_temperature
-    from .compile import parse_request_bytes
+    from .request import parse_request_bytes
     from .engine import Engine
 
     try:

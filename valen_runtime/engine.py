@@ -7,7 +7,7 @@ Two execution modes compute the same function:
   (GDN recurrent state and conv tail, attention K/V) with all suffixes batched together. Exact
   in real arithmetic (the layers are causal); only rounding differs, measured by valen-parity.
 The vision tower runs once per request in both modes (it is deterministic given the pixels).
-The engine knows nothing about JSON validation or tokenization: compile.py does that.
+The engine knows nothing about JSON validation or tokenization: request.py does that.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .answers import answer_from_probabilities, batch_probabilities, response
-from .compile import CompiledRequest, Compiler, ImageInputs
+from .request import CompiledRequest, Compiler, ImageInputs
 from .positions import rope_index
 from .qwen35 import Packing, TextCache
 from .vision import frame_lengths, grid_list

@@ -50,7 +50,7 @@ def test_positive_control_subset_passes(tiny_export, bf16_reference, all_cases):
 
 
 def test_swapped_candidates_in_runtime_prompt_fail(tiny_export, bf16_reference, all_cases, monkeypatch):
-    from valen_runtime import compile as rt_compile
+    from valen_runtime import request as rt_compile
 
     original = rt_compile.Compiler._compile_question
 

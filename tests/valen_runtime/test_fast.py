@@ -60,7 +60,7 @@ def test_fused_projection_matches_separate_lora_linears(dtype):
 
 
 def test_engine_rejects_graphs_on_cpu(tiny_export):
-    from valen_runtime.compile import Compiler
+    from valen_runtime.request import Compiler
     from valen_runtime.engine import Engine
     from valen_runtime.weights import load_model
 
