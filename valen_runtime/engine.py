@@ -19,6 +19,7 @@ import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from .request import CompiledRequest, Compiler, ImageInputs
 from .vision import frame_lengths, grid_list
 from .weights import DTYPES, LoadedModel, load_model
 
+if TYPE_CHECKING:
+    from .fast.model import FastModel
+
 
 @dataclass
 class RunResult:
@@ -41,7 +45,8 @@ class RunResult:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, compiler: Compiler, options: EngineOptions, temperature: float = 1.0, fast=None):
+    def __init__(self, model: LoadedModel, compiler: Compiler, options: EngineOptions, temperature: float = 1.0,
+                 fast: FastModel | None = None):
         """An engine over a loaded model; `options` must name the model's device type and dtype.
         fast: a `fast.model.FastModel` already built from `model` (engines over one model may share
         it, and its compiled functions); built here when kernels="fast" and none is given."""
@@ -64,9 +69,12 @@ class Engine:
                 raise ValueError(f"the fast model given was not built from this model with compile={options.compile}")
             self.fast = fast
             self.text, self.vision, self.kernels = self.fast.text, self.fast.vision, self.fast.kernels
-        # The one-pass layout (plan.py) runs on the fast model; under CUDA graphs only where its
-        # varlen delta rule takes its boundaries on the device (FLA, bf16).
-        self.one_pass = self.fast is not None and (not options.graphs or self.fast.one_pass_capturable)
+        # The one-pass layout (plan.py) runs on the fast model: on CUDA where FLA runs the delta rule
+        # (bf16; measured faster than the batch layout, and its varlen kernel takes the sequence
+        # boundaries on the device, so it can be graphed), and on the CPU, where it is the same code
+        # as CUDA's default (what the parity gate checks). On CUDA the reference rule's varlen form
+        # loops over the sequences on the host, so there (fp32) the batch layout runs.
+        self.one_pass = self.fast is not None and (self.fast.text.delta_impl == "fla" or model.device.type == "cpu")
         self.graphs = None
         if options.graphs:
             from .fast.graphs import GraphCache

@@ -259,9 +259,3 @@ class FastModel:
             "patch_embed": "linear" if vision.patch_gemm else "conv (cuDNN, TF32 as in the reference)",
         }
         return cls(text, vision, compile, kernels)
-
-    @property
-    def one_pass_capturable(self) -> bool:
-        """Whether a one-pass forward can be captured in a CUDA graph (FLA's varlen kernel takes
-        its boundaries on the device; the reference rule reads them on the host)."""
-        return self.text.delta_impl == "fla"
