@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Everything this project measures on the GPU machine, in one call (device tool; see README "GPU set-up"):
 #   run: bash benchmarks/gpu_run.sh   with carry [".whl"]; results land in $OUT.
-# Steps (STEPS="tests latency parity" by default; "profile" runs benchmarks/profile_fast.py, "probe"
-# benchmarks/probe_compiled_accuracy.py; each bounded so the call ends inside its 10-minute limit and writes what it has):
-#   (PROBE_ARGS adds probe options, e.g. --only contiguous)
+# Steps (STEPS="tests latency parity" by default; "profile" runs benchmarks/profile_fast.py; each
+# bounded so the call ends inside its 10-minute limit and writes what it has):
 #   1. install the carried pinned stack into /tmp/site and fla-core into /tmp/site-fla (the
 #      reference's process drops the latter from PYTHONPATH and blocks the import),
-#   2. the gpu-marked tests (fast paths vs reference paths; TESTS_ARGS adds pytest options, e.g. -k NAME),
+#   2. the gpu-marked tests (the fast path vs the reference modules, graphs vs direct execution;
+#      TESTS_ARGS adds pytest options, e.g. -k NAME),
 #   3. benchmarks/latency.py on the 2b preset (reference path vs runtime modes, one run; LATENCY_ARGS adds options, e.g. --skip-reference --only graphs),
 #   4. valen-parity on the 2b preset: bf16 per-branch and shared-prefix, fp32 per-branch, both LoRA modes.
 set -uo pipefail
@@ -31,11 +31,6 @@ if [[ " $STEPS " == *" profile "* ]]; then
   grep -E "total|ready|Error|error" "$OUT/profile.log" | tail -30
 fi
 
-if [[ " $STEPS " == *" probe "* ]]; then  # where compiled bf16 continuations lose accuracy (docs/parity.md)
-  timeout $(cap ${PROBE_TIMEOUT:-240}) python3 benchmarks/probe_compiled_accuracy.py --work "$WORK" --out "$OUT/probe.json" ${PROBE_ARGS:-} > "$OUT/probe.log" 2>&1
-  grep -E "prefix|Error" "$OUT/probe.log" | tail -12
-fi
-
 if [[ " $STEPS " == *" latency "* ]]; then
   timeout $(cap ${LATENCY_TIMEOUT:-330}) python3 benchmarks/latency.py --work "$WORK" --out "$OUT/latency.json" --iters 10 --warmup 3 --ref-iters 3 ${LATENCY_ARGS:-} > "$OUT/latency.log" 2>&1
   grep -E "median|ready|done|ERROR" "$OUT/latency.log" | tail -30
@@ -45,7 +40,7 @@ if [[ " $STEPS " == *" parity "* ]]; then
   FX="$WORK/fixture-2b"
   # The 2b fixture and the exports the specs name (latency.py builds them too); each only when missing.
   # PARITY_SPECS: LORA:DTYPE:MODE ...; PARITY_CASE: one case group (default all); PARITY_ARGS: more
-  # valen-parity options (e.g. --lora-gemm bf16x3).
+  # valen-parity options (e.g. --no-cuda-graphs).
   SPECS=${PARITY_SPECS:-"separate:bf16:per-branch separate:bf16:shared-prefix merged:bf16:per-branch separate:fp32:per-branch"}
   python3 - "$WORK" "$(for s in $SPECS; do echo "${s%%:*}"; done | sort -u | tr '\n' ' ')" <<'PY'
 import sys
@@ -69,7 +64,9 @@ PY
   done
 fi
 if [[ " $STEPS " == *" tests "* ]]; then
-  timeout $(cap ${TESTS_TIMEOUT:-300}) python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/test_fast.py ${TESTS_ARGS:-} > "$OUT/gpu-tests.log" 2>&1
+  # The files holding gpu-marked tests (the others import what this machine may lack, e.g. hypothesis).
+  timeout $(cap ${TESTS_TIMEOUT:-300}) python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/fast tests/valen_runtime/test_engine.py \
+    tests/valen_runtime/test_image.py ${TESTS_ARGS:-} > "$OUT/gpu-tests.log" 2>&1
   tail -3 "$OUT/gpu-tests.log"
 fi
 

@@ -5,11 +5,10 @@ measures per request (compile + vision + text + head + answers, CUDA-synchronise
 - reference: pinned transformers 5.4.0 + PEFT unmerged, eager, one forward per branch, in its own
   process with flash-linear-attention blocked (benchmarks/reference_latency.py);
 - runtime per-branch (pure PyTorch, reference-shaped);
-- runtime shared-prefix: PyTorch kernels / fast kernels (FLA + SDPA) / fast kernels + CUDA graphs,
-  and the merged-LoRA export, in the engine's default layout; A/Bs: the batch and packed layouts
-  (a prefix pass, then the branches padded or packed) against the default one-pass, the prefix
-  cut at the state's end rather than on a chunk boundary, the FP32 LoRA as bf16x3 splits on
-  tensor cores, and the vision tower queued after the request compile.
+- runtime shared-prefix: the reference modules / the fast path (fused layers, FLA, SDPA; compiled)
+  / the fast path replayed from CUDA graphs (the default on CUDA), and that default on the
+  merged-LoRA export; the layout each request ran (one-pass, or batch for a state under 64 tokens)
+  is recorded with it.
 `--only TEXT` keeps the configurations whose label contains TEXT, `--skip-reference` drops the
 reference process (for A/B runs; the speed-ups need it).
 Reports median and p90, speed-up over the reference, the physical floor estimate and the ratio,
@@ -36,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from artifacts import fixture_and_exports  # noqa: E402
 from bench_requests import benchmark_requests  # noqa: E402
 
 # Physical floor (docs/benchmarks.md): text linear weights 2.75 GB
@@ -92,22 +92,10 @@ def main() -> None:
                     help="keep only configurations whose label contains TEXT (repeatable)")
     args = ap.parse_args()
 
-    from valen_export.export import export
-    from valen_export.fixture import build_fixture
     from valen_runtime.engine import Engine
 
-    fx_dir = args.work / f"fixture-{args.preset}"
-    t = time.perf_counter()
-    if not (fx_dir / "pins.json").exists():
-        build_fixture(fx_dir, preset=args.preset, seed=0)
-    print(f"fixture ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
-    exp = args.work / f"export-{args.preset}-separate"
-    exp_merged = args.work / f"export-{args.preset}-merged"
-    t = time.perf_counter()
-    for mode, path in (("separate", exp), ("merged", exp_merged)):
-        if not (path / "valen_export.json").exists():
-            export(fx_dir / "checkpoint", fx_dir / "base", path, lora_mode=mode, pins_path=fx_dir / "pins.json", progress=False)
-    print(f"export ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    fx_dir, exports = fixture_and_exports(args.work, args.preset)
+    exp, exp_merged = exports["separate"], exports["merged"]
 
     reqs = benchmark_requests()
     report = {
@@ -133,60 +121,47 @@ def main() -> None:
         report["reference_environment"] = ref.pop("environment")
         print(f"reference done in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
 
+    # EngineOptions per configuration (device and dtype added below), and whether it runs the merged export.
     configs = [
-        ("runtime per-branch (torch)", dict(mode="per-branch", kernels="torch", graphs=False)),
-        ("shared-prefix (torch)", dict(mode="shared-prefix", kernels="torch", graphs=False)),
-        ("shared-prefix (fast kernels)", dict(mode="shared-prefix", kernels="fast", graphs=False)),
-        ("shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True)),
-        ("merged LoRA: shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True, merged=True)),
-        # A/B for the layout (the default on CUDA is one-pass: the prefix in the packed row, one sweep of
-        # the layers): a prefix pass, then the branches as a right-padded batch or packed varlen.
-        ("shared-prefix (fast + CUDA graphs, batch layout)", dict(mode="shared-prefix", kernels="fast", graphs=True, layout="batch")),
-        ("merged LoRA: shared-prefix (fast + CUDA graphs, batch layout)", dict(mode="shared-prefix", kernels="fast", graphs=True, layout="batch", merged=True)),
-        ("shared-prefix (fast + CUDA graphs, packed layout)", dict(mode="shared-prefix", kernels="fast", graphs=True, layout="packed")),
-        # A/B: the shared prefix cut at the state's end instead of the last 64-token chunk boundary
-        # (no state tail re-run per branch; but the delta rule's chunks no longer fall where the
-        # reference's do).
-        ("shared-prefix (fast + CUDA graphs, prefix not chunk-aligned)", dict(mode="shared-prefix", kernels="fast", graphs=True, align_prefix=False)),
-        # A/B: the separate FP32 LoRA as exact bf16 splits on tensor cores (lora_gemm="bf16x3").
-        ("shared-prefix (fast + CUDA graphs, bf16x3 LoRA)", dict(mode="shared-prefix", kernels="fast", graphs=True, lora_gemm="bf16x3")),
-        # A/B for Engine.run's overlap: the vision tower queued only after the whole request compile.
-        ("shared-prefix (fast + CUDA graphs, vision after compile)", dict(mode="shared-prefix", kernels="fast", graphs=True, overlap_vision=False)),
+        ("runtime per-branch (torch)", dict(mode="per-branch", kernels="torch", graphs=False), False),
+        ("shared-prefix (torch)", dict(mode="shared-prefix", kernels="torch", graphs=False), False),
+        ("shared-prefix (fast kernels)", dict(mode="shared-prefix", kernels="fast", graphs=False), False),
+        ("shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True), False),
+        ("merged LoRA: shared-prefix (fast + CUDA graphs)", dict(mode="shared-prefix", kernels="fast", graphs=True), True),
     ]
-    if args.device != "cuda":
-        configs = configs[:2]
+    if args.device != "cuda":  # a CPU smoke run: everything but the graphs
+        configs = [c for c in configs if not c[1]["graphs"]]
     if args.only:
         configs = [c for c in configs if any(t in c[0] for t in args.only)]
-    from valen_runtime.compile import Compiler
+    from valen_runtime.fast.model import FastModel
     from valen_runtime.manifest import Manifest
+    from valen_runtime.options import EngineOptions
+    from valen_runtime.request import Compiler
     from valen_runtime.weights import load_model
 
     prompt = Manifest.load(exp).data["prompt"]
     compiler = Compiler.from_dir(exp, max_length=prompt["max_length"], media_kwargs=prompt.get("media_kwargs") or {})
 
-    # One model per (export, kernels, LoRA GEMM) choice, since enable_fast_paths swaps the seams in
-    # place; one engine per configuration, reused across requests so its CUDA graphs are reused too.
-    models = {}
-    engines = {}
-    for label, kw in configs:
-        kw = dict(kw)
-        merged = kw.pop("merged", False)
-        overlap = kw.pop("overlap_vision", None)
-        key = (kw["kernels"], merged, kw.get("lora_gemm", "fp32"))
-        if key not in models:
-            models[key] = load_model(exp_merged if merged else exp, device=args.device, dtype="bf16")
+    # One loaded model per export and one fast model built from it, shared by its engines (one
+    # compile of the fast path per export); one engine per configuration, reused across requests so
+    # its CUDA graphs are too.
+    models, fast_models, engines = {}, {}, {}
+    for label, kw, merged in configs:
+        if merged not in models:
+            models[merged] = load_model(exp_merged if merged else exp, device=args.device, dtype="bf16")
         try:
-            engines[label] = Engine(models[key], compiler, **kw)
-            if overlap is not None:
-                engines[label].overlap_vision = overlap
-        except ValueError as e:  # e.g. packing without FLA: recorded per request below
+            options = EngineOptions(device=args.device, dtype="bf16", **kw)
+            if options.kernels == "fast" and merged not in fast_models:
+                fast_models[merged] = FastModel.build(models[merged], compile=options.compile)
+            engines[label] = Engine(models[merged], compiler, options, fast=fast_models.get(merged) if options.kernels == "fast" else None)
+        except ValueError as e:  # recorded per request below
             print(f"{label}: not available: {e}", file=sys.stderr, flush=True)
     for name, req in reqs.items():
         row = {"modes": {}}
         if name in ref:
             row["modes"]["reference (transformers 5.4.0, eager, per branch)"] = stats(ref[name]["times_s"])
         compiled = compiler.compile(req)
-        for label, kw in configs:
+        for label, kw, _ in configs:
             engine = engines.get(label)
             if engine is None:
                 row["modes"][label] = {"error": "configuration not available on this machine"}
@@ -203,8 +178,8 @@ def main() -> None:
                 continue
             entry = stats(times)
             entry["kernels"] = engine.kernels
-            entry["layout"] = engine._plan(compiled).kind if kw["mode"] == "shared-prefix" else "per-branch"  # as run for this request
-            entry["compile_ms"] = result.timings["compile_s"] * 1e3  # request parsing, tokenizer, image preprocessing (last run)
+            entry["layout"] = engine.plan(compiled).kind if kw["mode"] == "shared-prefix" else "per-branch"  # as run for this request
+            entry["prepare_ms"] = result.timings["prepare_s"] * 1e3  # request parsing, tokenizer, image preprocessing (last run)
             if args.device == "cuda":
                 entry["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if name in ref:

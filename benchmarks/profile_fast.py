@@ -1,7 +1,7 @@
 """Where a warm fast-path request spends its time on the GPU (issue #5). Not a test.
 
 For each benchmark request and each engine configuration: the phase breakdown of a warm request
-(compile on the CPU, vision tower, text + head, answers; CUDA-synchronised between phases), the
+(the request compile on the CPU, vision tower, text + head, answers; CUDA-synchronised between phases), the
 replay time of every captured CUDA graph alone, and a torch.profiler kernel table (kernel count,
 summed kernel time, top kernels) of one warm request. Builds/exports the 2b preset like latency.py.
 
@@ -23,33 +23,32 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from artifacts import fixture_and_exports  # noqa: E402
 from bench_requests import benchmark_requests  # noqa: E402
 
 
 def sync() -> None:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def phases(engine, req) -> dict:
-    """One request run phase by phase (the same work as Engine.run), seconds per phase."""
-    from valen_runtime.answers import answer_from_probabilities, batch_probabilities
-
+    """One request run phase by phase (the work of Engine.run, with the vision tower started after
+    the request compile rather than inside it, so each phase is timed alone), seconds per phase."""
     sync()
     t0 = time.perf_counter()
     compiled = engine.compiler.compile(req)
     t1 = time.perf_counter()
-    with torch.no_grad():
-        features = engine.image_features(compiled)
-        sync()
-        t2 = time.perf_counter()
-        logits = engine.question_logits_from_features(compiled, features)
-        sync()
+    images = compiled.state.image_inputs
+    features = None if images is None else engine.vision_features(images)
+    sync()
+    t2 = time.perf_counter()
+    logits = engine.execute(compiled, features)
+    sync()
     t3 = time.perf_counter()
-    probs, _ = batch_probabilities(logits, [len(q.keys) for q in compiled.questions], engine.temperature)
-    for q, p in zip(compiled.questions, probs):
-        answer_from_probabilities(q.kind, q.keys, q.descriptions, p)
+    engine.finish(compiled, logits, {})
     t4 = time.perf_counter()
-    return {"compile": t1 - t0, "vision": t2 - t1, "text_and_head": t3 - t2, "answers": t4 - t3, "total": t4 - t0}
+    return {"request": t1 - t0, "vision": t2 - t1, "text_and_head": t3 - t2, "answers": t4 - t3, "total": t4 - t0}
 
 
 def graph_replays(engine, iters: int = 20) -> dict:
@@ -69,7 +68,8 @@ def graph_replays(engine, iters: int = 20) -> dict:
 def kernel_profile(engine, req) -> tuple[dict, str]:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
         engine.run(req)
         sync()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -98,37 +98,24 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tables", type=Path, default=None, help="write profiler tables here")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--preset", choices=["2b", "tiny"], default="2b", help="tiny: a CPU smoke run of this script")
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--requests", default="a_image448_7branch,b_text48_choice2,d_image1024_choice4,c_text2000_8q")
-    ap.add_argument("--configs", default="fast+graphs,fast+graphs merged,fast+graphs batch,fast+graphs merged batch",
-                    help="comma-separated: fast[+graphs][ merged][ batch| packed] (layout: the engine default unless named)")
+    ap.add_argument("--configs", default="fast+graphs,fast+graphs merged",
+                    help="comma-separated: fast[+graphs][ merged] (the fast path, compiled; +graphs: replayed from CUDA graphs)")
     args = ap.parse_args()
 
-    from valen_export.export import export
-    from valen_export.fixture import build_fixture
-    from valen_runtime.compile import Compiler
     from valen_runtime.engine import Engine
-    from valen_runtime.weights import load_model
+    from valen_runtime.options import EngineOptions
 
-    fx = args.work / "fixture-2b"
-    t = time.perf_counter()
-    if not (fx / "pins.json").exists():
-        build_fixture(fx, preset="2b", seed=0)
-    exports = {"separate": args.work / "export-2b-separate", "merged": args.work / "export-2b-merged"}
-    for mode, path in exports.items():
-        if not (path / "valen_export.json").exists():
-            export(fx / "checkpoint", fx / "base", path, lora_mode=mode, pins_path=fx / "pins.json", progress=False)
-    print(f"artifacts ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    _, exports = fixture_and_exports(args.work, args.preset)
 
     reqs = benchmark_requests()
-    report = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "results": {}}
+    report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "results": {}}
     for config in args.configs.split(","):
         merged = " merged" in config
-        graphs = config.startswith("fast+graphs")
-        layout = "packed" if " packed" in config else "batch" if " batch" in config else None
-        model = load_model(exports["merged" if merged else "separate"], device="cuda", dtype="bf16")
-        prompt = model.manifest.data["prompt"]
-        compiler = Compiler.from_dir(model.manifest.root, max_length=prompt["max_length"], media_kwargs=prompt.get("media_kwargs") or {})
-        engine = Engine(model, compiler, mode="shared-prefix", kernels="fast", graphs=graphs, layout=layout)
+        options = EngineOptions(device=args.device, dtype="bf16", mode="shared-prefix", kernels="fast", graphs=config.startswith("fast+graphs"))
+        engine = Engine.load(exports["merged" if merged else "separate"], options)
         for name in args.requests.split(","):
             req = reqs[name]
             t = time.perf_counter()
@@ -144,12 +131,13 @@ def main() -> None:
                 (args.tables / f"{name}-{config.replace(' ', '_').replace('+', '_')}.txt").write_text(table)
             report["results"].setdefault(name, {})[config] = entry
             p = entry["phases_ms"]
-            print(f"{name} [{config}] total {p['total']:.2f} ms = compile {p['compile']:.2f} + vision {p['vision']:.2f} + text {p['text_and_head']:.2f}"
+            print(f"{name} [{config}] total {p['total']:.2f} ms = request {p['request']:.2f} + vision {p['vision']:.2f} + text {p['text_and_head']:.2f}"
                   f" + answers {p['answers']:.2f}; kernels {entry['profile']['kernels']} summing {entry['profile']['kernel_time_ms']:.2f} ms;"
                   f" replays {entry['graph_replay_ms']}", file=sys.stderr, flush=True)
             args.out.write_text(json.dumps(report, indent=2))
-        del engine, model
-        torch.cuda.empty_cache()
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     from torch._dynamo.utils import counters
 
     report["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "recompiles", "graph_break")}

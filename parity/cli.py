@@ -15,6 +15,8 @@ from pathlib import Path
 import click
 
 from . import cases as cases_mod
+from valen_runtime.options import EngineOptions
+
 from . import harness, tolerances
 
 
@@ -55,8 +57,6 @@ def run(
     reference_cache: Path | None,
     kernels: str | None = None,
     graphs: bool | None = None,
-    lora_gemm: str | None = None,
-    layout: str | None = None,
 ) -> dict:
     """The whole run; returns the report. Raises harness.UsageProblem for exit-2 problems."""
     import torch
@@ -65,6 +65,10 @@ def run(
         raise harness.UsageProblem(f"--device {device}: CUDA is not available here")
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise harness.UsageProblem(f"--device {device}: expected cpu or cuda")
+    try:
+        options = EngineOptions(device=device, dtype=dtype, mode=mode, kernels=kernels, graphs=graphs)
+    except ValueError as e:
+        raise harness.UsageProblem(str(e)) from None
     for path, opt in ((export, "--export"), (checkpoint, "--checkpoint"), (base, "--base")):
         if not path.is_dir():
             raise harness.UsageProblem(f"{path}: {opt} must be an existing directory")
@@ -101,7 +105,7 @@ def run(
     problems = harness.check_pins(pins_data, manifest, ref, base)
     if problems:
         raise harness.UsageProblem("; ".join(problems))
-    setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads, kernels, graphs, lora_gemm, layout)
+    setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads, options)
     previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -125,12 +129,10 @@ def run(
 @click.option("--valen-source", type=click.Path(path_type=str), default=None, help="A Liuziyu77/Valen checkout at the pinned commit: use its own builder, loader and compiler as the reference.")
 @click.option("--tolerances", "tolerances_path", type=click.Path(path_type=Path), default=tolerances.DEFAULT_PATH, show_default=True, help="Declared tolerances.")
 @click.option("--threads", type=int, default=None, help="torch threads on both sides (default: torch's default).")
-@click.option("--kernels", type=click.Choice(["torch", "fast"]), default=None, help="Runtime kernels at the model's seams (default: the engine's choice: fast for CUDA shared-prefix, else torch).")
+@click.option("--kernels", type=click.Choice(["torch", "fast"]), default=None, help="Runtime kernels: the reference modules or the fast path (default: the engine's choice: fast for CUDA shared-prefix, else torch).")
 @click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=None, help="Runtime CUDA-graph replay (default: the engine's choice: on for CUDA shared-prefix).")
-@click.option("--lora-gemm", type=click.Choice(["fp32", "bf16x3"]), default=None, help="How the fast path runs a separate FP32 LoRA (default fp32; bf16x3: exact bf16 splits on tensor cores, bf16 only).")
-@click.option("--layout", type=click.Choice(["batch", "packed", "one-pass"]), default=None, help="Shared-prefix layout (default: the engine's choice, one-pass on CUDA with flash-linear-attention, else batch). batch: a right-padded batch of branches after a prefix pass; packed: the branches varlen in one row; one-pass: the prefix in that same row.")
 @click.option("--reference-cache", type=click.Path(path_type=Path), default=None, help="Reuse reference results across runs (keyed by checkpoint/base/requests/dtype/device hashes).")
-def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, report_path, valen_source, tolerances_path, threads, kernels, graphs, lora_gemm, layout, reference_cache):
+def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, report_path, valen_source, tolerances_path, threads, kernels, graphs, reference_cache):
     """Compare the runtime on EXPORT with the Valen reference rebuilt from CHECKPOINT + BASE.
 
     \b
@@ -140,7 +142,7 @@ def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pin
     try:
         if mode is None:
             mode = "shared-prefix" if str(device).startswith("cuda") else "per-branch"
-        report = run(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, valen_source, tolerances_path, threads, reference_cache, kernels, graphs, lora_gemm, layout)
+        report = run(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, valen_source, tolerances_path, threads, reference_cache, kernels, graphs)
     except harness.UsageProblem as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -4,7 +4,7 @@ Builds the tiny synthetic fixture under OUTDIR (removing any previous OUTDIR), e
 LoRA modes, and runs the `valen-parity` comparison (`parity.cli.run`, the code behind the
 command) with every built-in case on the CPU for fp32 and bf16, per-branch and shared-prefix:
 8 combinations, plus the 4 shared-prefix ones again as CUDA runs them by default: the fast
-path's kernels (fused layers, eager on the CPU) in the one-pass layout. The reference is built once per dtype (its results are shared through a reference
+path's kernels (fused layers, eager on the CPU; the one-pass layout). The reference is built once per dtype (its results are shared through a reference
 cache; the reference does not depend on the export or the runtime's execution mode). Reports go
 to OUTDIR/reports/<lora>-<dtype>-<mode>.json, a summary to OUTDIR/summary.json. Exit 0 only when
 all pass; 1 on any parity failure; 2 on a usage error. `--device cuda` runs the same
@@ -22,9 +22,9 @@ from pathlib import Path
 
 COMBOS = [(dtype, lora, mode) for dtype in ("fp32", "bf16") for lora in ("separate", "merged") for mode in ("per-branch", "shared-prefix")]
 # Shared-prefix again the way CUDA runs it by default: the fast path's kernels (its fused layer
-# functions run eagerly on the CPU) in the one-pass layout; judged by the same entries. On CUDA the
-# engine's own choice already is that path.
-FAST_COMBOS = [(dtype, lora, "shared-prefix", "fast", "one-pass") for dtype in ("fp32", "bf16") for lora in ("separate", "merged")]
+# functions run eagerly on the CPU; the engine picks the one-pass layout); judged by the same
+# entries. On CUDA the engine's own choice already is that path.
+FAST_COMBOS = [(dtype, lora, "shared-prefix", "fast") for dtype in ("fp32", "bf16") for lora in ("separate", "merged")]
 
 
 def main(argv=None) -> int:
@@ -58,25 +58,25 @@ def main(argv=None) -> int:
     summary = {}
     failed = []
     (out / "reports").mkdir()
-    combos = [(*c, args.kernels, None) for c in COMBOS]
+    combos = [(*c, args.kernels) for c in COMBOS]
     if args.device == "cpu" and args.kernels is None:
         combos += FAST_COMBOS
-    for dtype, lora, mode, kernels, layout in combos:
+    for dtype, lora, mode, kernels in combos:
         t1 = time.perf_counter()
         try:
             report = run(
                 exports[lora], fx.checkpoint, fx.base, args.case, None, args.device, dtype, mode, fx.pins, None,
                 args.tolerances or tolerances.DEFAULT_PATH, args.threads, out / "reference-cache",
-                kernels=kernels, graphs=False if args.no_cuda_graphs else None, layout=layout,
+                kernels=kernels, graphs=False if args.no_cuda_graphs else None,
             )
         except harness.UsageProblem as e:
             print(f"error: {lora}/{dtype}/{mode}: {e}", file=sys.stderr)
             return 2
-        name = f"{lora}-{dtype}-{mode}" + (f"-{kernels}" if kernels else "") + (f"-{layout}" if layout else "")
+        name = f"{lora}-{dtype}-{mode}" + (f"-{kernels}" if kernels else "")
         (out / "reports" / f"{name}.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         table = harness.table(report)
         if report["verdict"] == "pass":
-            label = (f"[{kernels} kernels" + (f", {layout}" if layout else "") + "] ") if kernels else ""
+            label = f"[{kernels} kernels] " if kernels else ""
             print(label + table.splitlines()[-1] + f"  [{time.perf_counter() - t1:.1f} s]", flush=True)
         else:
             failed.append(name)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from valen_runtime.options import EngineOptions
 from valen_runtime.safetensors_file import sha256_file
 
 from . import isolation
@@ -430,11 +431,8 @@ class Setup:
     mode: str = "per-branch"
     valen_source: str | None = None
     threads: int | None = None
-    # Passed to Engine.load when set (None = the engine's own default for the device and mode).
-    kernels: str | None = None
-    graphs: bool | None = None
-    lora_gemm: str | None = None
-    layout: str | None = None  # shared-prefix layout: "batch" | "packed" | "one-pass" (Engine's layout)
+    # How the runtime's Engine runs; None: EngineOptions(device, dtype, mode), the engine's defaults.
+    engine_options: EngineOptions | None = None
 
 
 def manifest_info(export: Path) -> tuple[dict, str]:
@@ -477,10 +475,9 @@ def evaluate(setup: Setup, requests: list[tuple[str, str, dict]], ref: Reference
     from valen_runtime.errors import RequestError, ValenError
 
     if engine is None:
-        options = {k: v for k, v in (("kernels", setup.kernels), ("graphs", setup.graphs), ("lora_gemm", setup.lora_gemm),
-                                     ("layout", setup.layout)) if v is not None}
         try:
-            engine = Engine.load(setup.export, device=setup.device, dtype=setup.dtype, verify="size", mode=setup.mode, **options)
+            options = setup.engine_options or EngineOptions(device=setup.device, dtype=setup.dtype, mode=setup.mode)
+            engine = Engine.load(setup.export, options, verify="size")
         except (ValenError, OSError, ValueError, TypeError) as e:
             raise UsageProblem(f"runtime could not load {setup.export}: {e}") from None
     entries = []
@@ -540,7 +537,7 @@ def build_report(setup: Setup, entries: list[dict], ref: ReferenceRun, tol: Tole
             "mode": setup.mode,
             "lora": manifest["lora"]["mode"],
             "threads": setup.threads,
-            "engine_options": {"kernels": setup.kernels, "graphs": setup.graphs, "lora_gemm": setup.lora_gemm, "layout": setup.layout},
+            "engine_options": setup.engine_options.to_json() if setup.engine_options else None,
         },
         "export_manifest_sha256": manifest_sha,
         "export": {"format": manifest.get("format"), "exporter": manifest.get("exporter"), "source": manifest.get("source"), "lora": manifest.get("lora")},

@@ -1,4 +1,4 @@
-"""The reference's prompt builder, written from docs/valen-model.md (not from valen_runtime.compile).
+"""The reference's prompt builder, written from docs/valen-model.md (not from valen_runtime.request).
 
 It runs inside the reference process and uses the pinned stack's own processor:
 `processor.apply_chat_template(messages, tokenize=True, add_generation_prompt=False,

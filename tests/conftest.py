@@ -127,7 +127,7 @@ def fp32_roundoff_bound(fn, x: torch.Tensor, reduction_length: int, stages: int,
     want = fn(x).double()
     worst = 0.0
     for _ in range(draws):
-        signs = torch.randint(0, 2, x.shape, generator=gen, dtype=torch.int8).to(x.dtype) * 2 - 1
+        signs = torch.randint(0, 2, x.shape, generator=gen, dtype=torch.int8).to(device=x.device, dtype=x.dtype) * 2 - 1
         got = fn(x * (1 + scale * signs)).double()
         worst = max(worst, (got - want).abs().max().item())
     return 2 * stages * worst

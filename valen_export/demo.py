@@ -48,6 +48,7 @@ def main(out: Path) -> int:
     from valen_export.fixture import build_fixture
     from valen_export.verify import verify_export
     from valen_runtime.engine import Engine
+    from valen_runtime.options import EngineOptions
 
     if out.exists():
         shutil.rmtree(out)
@@ -69,7 +70,7 @@ def main(out: Path) -> int:
             print(f"             {f}")
         if failures:
             return 1
-    engine = Engine.load(exports["separate"], device="cpu", dtype="bf16")
+    engine = Engine.load(exports["separate"], EngineOptions(device="cpu", dtype="bf16"))
     for i, req in enumerate(demo_requests(), 1):
         t = time.perf_counter()
         resp = engine.answer(req)

@@ -22,11 +22,11 @@ from .errors import ValenError
 @click.option("--temperature", type=float, default=None, help="Softmax temperature (default 1.0).")
 @click.option("--calibration", type=click.Path(path_type=Path), default=None, help="Calibration JSON with a scalar 'temperature'.")
 @click.option("--verify", type=click.Choice(["none", "size", "full"]), default="size", show_default=True, help="Check file sizes, or re-hash every file, before loading.")
-@click.option("--compile/--no-compile", "compile_", default=None,
-              help="torch.compile the CUDA fast path (default: off here; one request per process cannot repay about a minute of compiling, a long-lived Engine compiles by default).")
-@click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=None,
-              help="Capture CUDA graphs (default: off here; they pay off from the second request of a shape on).")
-@click.option("--timings", is_flag=True, help="Print compile/model seconds to stderr.")
+@click.option("--compile/--no-compile", "compile_", default=False, show_default=True,
+              help="torch.compile the CUDA fast path (off here: one request per process cannot repay about a minute of compiling; a long-lived Engine compiles by default).")
+@click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=False, show_default=True,
+              help="Capture CUDA graphs (off here: they pay off from the second request of a shape on).")
+@click.option("--timings", is_flag=True, help="Print prepare/model seconds to stderr.")
 @click.argument("request", type=click.Path(allow_dash=True, path_type=str))
 def main(export_dir, device, dtype, mode, temperature, calibration, verify, compile_, graphs, timings, request) -> None:
     """Run Valen on REQUEST (a JSON file, or - for stdin) and print the response JSON.
@@ -38,11 +38,10 @@ def main(export_dir, device, dtype, mode, temperature, calibration, verify, comp
                                  "criteria": {"refund": "Refund it", "wait": "Wait"}}}}' \\
         | valen-run --export build/demo/export-separate -
     """
-    import torch
-
     from .answers import load_temperature
-    from .compile import parse_request_bytes
+    from .request import parse_request_bytes
     from .engine import Engine
+    from .options import EngineOptions
 
     try:
         if temperature is not None and calibration is not None:
@@ -50,12 +49,8 @@ def main(export_dir, device, dtype, mode, temperature, calibration, verify, comp
         temp = load_temperature(calibration) if calibration is not None else (1.0 if temperature is None else temperature)
         raw = sys.stdin.buffer.read() if request == "-" else Path(request).read_bytes()
         req = parse_request_bytes(raw)
-        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if dev.startswith("cuda") and mode != "per-branch":  # one request: eager fast path unless asked
-            compile_ = False if compile_ is None else compile_
-            graphs = False if graphs is None else graphs
-        engine = Engine.load(export_dir, device=dev, dtype=dtype, verify=verify, mode=mode, temperature=temp,
-                             compile=compile_, graphs=graphs)
+        options = EngineOptions(device=device, dtype=dtype, mode=mode, compile=compile_, graphs=graphs)
+        engine = Engine.load(export_dir, options, verify=verify, temperature=temp)
         result = engine.run(req)
     except (ValenError, ValueError, OSError) as e:
         click.echo(f"error: {e}", err=True)

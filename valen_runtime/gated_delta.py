@@ -3,8 +3,9 @@
 `chunk_gated_delta_rule` reproduces transformers 5.4.0's `torch_chunk_gated_delta_rule` op for op
 (the fallback the pinned reference ran: q/k L2-normalised in the input dtype, then fp32, T padded
 to a multiple of the chunk size, forward-substitution loop). `recurrent_gated_delta_rule` is the
-per-token definition, kept as the reference the chunked form is tested against. A CUDA kernel
-(e.g. flash-linear-attention) can replace either function behind the same signature.
+per-token definition, kept as the reference the chunked form is tested against. The fast path
+(valen_runtime/fast/kernels.py) calls flash-linear-attention's chunked kernel with the same
+arguments and is tested against `chunk_gated_delta_rule`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ uint8 CHW tensor, `smart_resize` to multiples of patch * merge, uint8 bicubic an
 Qwen2-VL patch layout with the temporal duplicate.
 
 Also decodes untrusted PNG / JPEG bytes with limits checked on the header before any pixel is
-decoded. Token expansion and prompt building live in compile.py.
+decoded. Token expansion and prompt building live in request.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ arithmetic mirrors transformers 5.4.0's eager path op for op (fp32 RMSNorm with 
 attention with eager fp32 softmax, interleaved M-RoPE, Gated DeltaNet on the torch fallback), and
 every projection is a `LoRALinear` that computes PEFT 0.18.1's unmerged LoRA when adapters are
 attached. `TextCache` carries per-layer state so a forward can continue from an earlier prefix.
-File loading, tokenisation, the vision tower and the head live elsewhere.
+File loading, tokenisation, the vision tower and the head live elsewhere; the CUDA fast path
+(valen_runtime/fast/) is a second implementation built from these modules' weights, and nothing
+here knows about it.
 
 Shape letters:
     B batch, T tokens in this forward, S cached + new tokens (keys), H hidden size,
@@ -16,8 +18,6 @@ Shape letters:
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -136,10 +136,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
-        self.norm_fn = rms_norm  # seam: a fused (compiled) kernel computing the same thing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm_fn(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RMSNormGated(nn.Module):
@@ -147,10 +146,9 @@ class RMSNormGated(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.norm_fn = rms_norm_gated  # seam, as RMSNorm's
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return self.norm_fn(x, gate, self.weight, self.eps)
+        return rms_norm_gated(x, gate, self.weight, self.eps)
 
 
 class TextRotaryEmbedding(nn.Module):
@@ -218,11 +216,9 @@ class MLP(nn.Module):
         self.gate_proj = LoRALinear(cfg.hidden_size, cfg.intermediate_size)
         self.up_proj = LoRALinear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = LoRALinear(cfg.intermediate_size, cfg.hidden_size)
-        self.fused_gate_up = None  # seam: one GEMM for both projections (fast.fuse_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.fused_gate_up(x) if self.fused_gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up)  # [B, T, I] -> [B, T, H]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, I] -> [B, T, H]
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,8 +312,6 @@ class Attention(nn.Module):
         self.o_proj = LoRALinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.attention_core = eager_attention  # seam for an SDPA / flash fast path
-        self.fused_qkv = None  # seam: one GEMM for q, k, v (fast.fuse_projections)
 
     def forward(
         self,
@@ -330,15 +324,11 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         D = self.head_dim
         # q_proj packs [query | gate] per head: [B, T, Hq, 2D] -> two [B, T, Hq, D]
-        if self.fused_qkv is not None:
-            q_out, k_out, v_out = self.fused_qkv(x)
-        else:
-            q_out, k_out, v_out = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, gate = torch.chunk(q_out.reshape(B, T, -1, D * 2), 2, dim=-1)
+        q, gate = torch.chunk(self.q_proj(x).reshape(B, T, -1, D * 2), 2, dim=-1)
         gate = gate.reshape(B, T, -1)  # [B, T, Hq*D]
         q = self.q_norm(q.reshape(B, T, -1, D)).transpose(1, 2)  # [B, Hq, T, D]
-        k = self.k_norm(k_out.reshape(B, T, -1, D)).transpose(1, 2)  # [B, Hk, T, D]
-        v = v_out.reshape(B, T, -1, D).transpose(1, 2)  # [B, Hk, T, D]
+        k = self.k_norm(self.k_proj(x).reshape(B, T, -1, D)).transpose(1, 2)  # [B, Hk, T, D]
+        v = self.v_proj(x).reshape(B, T, -1, D).transpose(1, 2)  # [B, Hk, T, D]
         q, k = apply_rotary(q, k, cos, sin)
 
         if cache is not None:
@@ -348,7 +338,7 @@ class Attention(nn.Module):
                 v = torch.cat([cache.values[i], v], dim=2)
             cache.keys[i], cache.values[i] = k, v
 
-        out = self.attention_core(q, k, v, mask, self.scaling)  # [B, T, Hq, D]
+        out = eager_attention(q, k, v, mask, self.scaling)  # [B, T, Hq, D]
         out = out.reshape(B, T, -1).contiguous()
         out = out * torch.sigmoid(gate)
         return self.o_proj(out)
@@ -385,9 +375,6 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = RMSNormGated(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = LoRALinear(self.value_dim, cfg.hidden_size)
-        self.delta_rule = chunk_gated_delta_rule  # seam for a CUDA kernel with the same signature
-        self.fused_in_proj = None  # seam: one GEMM for qkv, z, b, a (fast.fuse_projections)
-        self.gates_fn = decay_and_beta  # seam: a fused kernel for g and beta
 
     def _conv(self, mixed: torch.Tensor, cache: TextCache | None) -> torch.Tensor:
         """Causal depthwise conv + SiLU over mixed [B, C, T]; updates the cached conv inputs."""
@@ -409,13 +396,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: TextCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        if self.fused_in_proj is not None:
-            mixed, z, b, a = self.fused_in_proj(x)
-        else:
-            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        mixed = mixed.transpose(1, 2)  # [B, C, T]
-        z = z.reshape(B, T, -1, self.head_v_dim)  # [B, T, Hv, Dv]
-        # b, a: [B, T, Hv]
+        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
+        z = self.in_proj_z(x).reshape(B, T, -1, self.head_v_dim)  # [B, T, Hv, Dv]
+        b, a = self.in_proj_b(x), self.in_proj_a(x)  # [B, T, Hv]
 
         mixed = self._conv(mixed, cache).transpose(1, 2)  # [B, T, C]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -423,13 +406,13 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(B, T, -1, self.head_k_dim)
         v = v.reshape(B, T, -1, self.head_v_dim)  # [B, T, Hv, Dv]
 
-        g, beta = self.gates_fn(a, b, self.A_log, self.dt_bias)  # [B, T, Hv]: fp32 log decay, beta
+        g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)  # [B, T, Hv]: fp32 log decay, beta
         if self.num_v_heads // self.num_k_heads > 1:
             q = q.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)  # [B, T, Hv, Dk]
             k = k.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
 
         initial = cache.recurrent_states[self.layer_idx] if cache is not None else None
-        out, state = self.delta_rule(
+        out, state = chunk_gated_delta_rule(
             q, k, v, g=g, beta=beta, initial_state=initial,
             output_final_state=cache is not None, use_qk_l2norm_in_kernel=True,
         )  # [B, T, Hv, Dv]
@@ -447,38 +430,6 @@ def decay_and_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bia
 
 
 # --------------------------------------------------------------------------------------------
-# Packed sequences (several continuations of one prefix in one row)
-
-
-class Packing(NamedTuple):
-    """Sequences packed into one row of T tokens (batch 1), each continuing the same prefix.
-
-    The prefix is either cached (an earlier forward) or, with `prefix_rows`, the row's first rows
-    (one pass: prefix and continuations together; seq_ids -1 there). Only the fused layer
-    functions (fused_layers.py) take it; the module path refuses it.
-    """
-
-    seq_ids: torch.Tensor  # [T] int64: the sequence of each token (-1: the in-row prefix)
-    offsets: torch.Tensor  # [T] int64: its position within that sequence
-    conv_taps: torch.Tensor  # [K, T] int64: causal-conv inputs per tap, indices into [prefix conv tail (K-1) | row]
-    cu_seqlens: torch.Tensor  # [n + 1] int64: boundaries of the continuations (after the in-row prefix)
-    chunk_indices: torch.Tensor  # [NT, 2] int64: (sequence, chunk) of every 64-token delta-rule chunk
-    prefix_rows: torch.Tensor | None = None  # [cut]: its length is the in-row prefix's (one pass)
-
-
-def packed_mask(packing: Packing, past: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive mask [1, 1, T, past + T]: every token sees the prefix and its own sequence causally
-    (the in-row prefix's own tokens only their own earlier ones)."""
-    same = packing.seq_ids[:, None] == packing.seq_ids[None, :]
-    causal = packing.offsets[None, :] <= packing.offsets[:, None]
-    in_prefix = packing.seq_ids == -1
-    seen = (same & causal) | (in_prefix[None, :] & ~in_prefix[:, None])
-    T = packing.seq_ids.shape[0]
-    allowed = torch.cat([torch.ones(T, past, dtype=torch.bool, device=device), seen], dim=1)
-    return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)[None, None]
-
-
-# --------------------------------------------------------------------------------------------
 # Decoder and text model
 
 
@@ -493,13 +444,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.fused_forward = None  # seam: the whole layer as one compiled function (fused_layers.py)
 
-    def forward(self, x, cos, sin, mask, cache=None, packing: Packing | None = None):
-        if self.fused_forward is not None:
-            return self.fused_forward(x, cos, sin, mask, cache, packing)
-        if packing is not None:
-            raise ValueError("packed sequences need the fused layer functions (kernels='fast')")
+    def forward(self, x, cos, sin, mask, cache=None):
         h = self.input_layernorm(x)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h, cache)
@@ -527,10 +473,7 @@ class TextModel(nn.Module):
         """input_ids [B, T] -> [B, T, H] in the embedding dtype."""
         return self.embed_tokens(input_ids)
 
-    def forward(
-        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: TextCache | None = None,
-        packing: Packing | None = None,
-    ) -> torch.Tensor:
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: TextCache | None = None) -> torch.Tensor:
         """Run the decoder stack.
 
         Args:
@@ -538,21 +481,16 @@ class TextModel(nn.Module):
             position_ids: [3, B, T] (or [3, 1, T]) M-RoPE positions; the caller continues them
                 after a cached prefix.
             cache: state of earlier tokens, continued and updated in place; None for one-shot runs.
-            packing: inputs_embeds [1, T, H] holds several sequences that each continue `cache`
-                (fused layers only); the cache then keeps the prefix's GDN state, not a continuation.
         Returns:
             last_hidden_state [B, T, H] after the final norm.
         """
         B, T, _ = inputs_embeds.shape
         past = cache.num_tokens if cache is not None else 0
         cos, sin = self.rotary_emb(inputs_embeds, position_ids)  # [B, T, R]
-        if packing is None:
-            mask = causal_mask(T, past, inputs_embeds.dtype, inputs_embeds.device)  # [1, 1, T, S]
-        else:
-            mask = packed_mask(packing, past, inputs_embeds.dtype, inputs_embeds.device)
+        mask = causal_mask(T, past, inputs_embeds.dtype, inputs_embeds.device)  # [1, 1, T, S]
         h = inputs_embeds
         for layer in self.layers:
-            h = layer(h, cos, sin, mask, cache, packing)
+            h = layer(h, cos, sin, mask, cache)
         if cache is not None:
             cache.num_tokens = past + T
         return self.norm(h)

@@ -4,7 +4,7 @@ Loads tokenizer.json with the `tokenizers` library exactly as written (transform
 Qwen3.5 folder as a plain TokenizersBackend, which keeps the file's pre-tokenizer regex), works
 out the special-token set the way 5.4.0 fills `all_special_tokens` from tokenizer_config.json,
 and renders chat_template.jinja in the same sandboxed Jinja environment 5.4.0 uses
-(`transformers/utils/chat_template_utils.py`). Prompt segment rules live in compile.py.
+(`transformers/utils/chat_template_utils.py`). Prompt segment rules live in request.py.
 """
 
 from __future__ import annotations

@@ -30,13 +30,10 @@ class PatchEmbed(nn.Module):
         self.embed_dim = cfg.hidden_size
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
-        self.as_linear = False  # seam: the conv (kernel = stride = one patch) as one GEMM over patches
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, P] -> [N, E] in the weight dtype."""
         w = self.proj.weight
-        if self.as_linear:  # [N, P] @ [E, P]^T + b: the same products, cuBLAS instead of an implicit-GEMM conv
-            return F.linear(pixel_values.to(device=w.device, dtype=w.dtype), w.view(w.shape[0], -1), self.proj.bias)
         x = pixel_values.view(-1, self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)
         return self.proj(x.to(device=w.device, dtype=w.dtype)).view(-1, self.embed_dim)
 
@@ -75,18 +72,25 @@ class VisionAttention(nn.Module):
         self.scaling = cfg.head_dim**-0.5
         self.qkv = nn.Linear(cfg.hidden_size, cfg.hidden_size * 3, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
-        self.attention_core = bidirectional_attention  # seam for a varlen / SDPA fast path
 
     def forward(self, x: torch.Tensor, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.rotated_heads(x, cos, sin)
+        # Each image (frame) attends only to itself: run eager attention per cu_seqlens chunk.
+        out = torch.cat([bidirectional_attention(qc, kc, vc, self.scaling) for qc, kc, vc in per_frame(q, k, v, lengths)], dim=1)
+        return self.proj(out.reshape(x.shape[0], -1).contiguous())  # [1, N, Hh, D] -> [N, E]
+
+    def rotated_heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [N, E] -> q, k (rotary applied), v, each [1, Hh, N, D]."""
         n = x.shape[0]
         # [N, 3E] -> [3, N, Hh, D] -> q, k, v [N, Hh, D]
         q, k, v = self.qkv(x).reshape(n, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         q, k = apply_rotary_vision(q, k, cos, sin)
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, Hh, N, D]
-        # Each image (frame) attends only to itself: run eager attention per cu_seqlens chunk.
-        chunks = zip(*(torch.split(t, lengths, dim=2) for t in (q, k, v)))
-        out = torch.cat([self.attention_core(qc, kc, vc, self.scaling) for qc, kc, vc in chunks], dim=1)
-        return self.proj(out.reshape(n, -1).contiguous())  # [1, N, Hh, D] -> [N, E]
+        return tuple(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+
+
+def per_frame(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]):
+    """(q, k, v) chunks [1, Hh, n, D] of each frame's patches (the cu_seqlens split)."""
+    return zip(*(torch.split(t, lengths, dim=2) for t in (q, k, v)))
 
 
 class VisionBlock(nn.Module):
@@ -139,7 +143,6 @@ class VisionModel(nn.Module):
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
         self.merger = PatchMerger(cfg)
-        self.run_block = None  # seam: (block, x, lengths, cos, sin) -> x, e.g. one compiled function for all blocks
         # Qwen3_5VisionRotaryEmbedding(head_dim // 2), theta 10000: fp32 on the CPU, outside the state dict.
         dim = cfg.head_dim // 2
         self.inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
@@ -160,7 +163,7 @@ class VisionModel(nn.Module):
         x = self.patch_embed(pixel_values)  # [N, E]
         x = x + pos_embeds
         for block in self.blocks:
-            x = block(x, lengths, cos, sin) if self.run_block is None else self.run_block(block, x, lengths, cos, sin)
+            x = block(x, lengths, cos, sin)
         return self.merger(x)
 
     def position_embeddings(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:

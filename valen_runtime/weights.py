@@ -81,7 +81,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if resolved is not None and resolved.type == "cpu":
         return resolved
     if resolved is None or resolved.type != "cuda":
-        raise ValenError(f"device {str(device)!r} is not supported (expected cpu, cuda or cuda:N)")
+        raise ValenError(f"device {str(device)!r} is not cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
         raise ValenError(f"device {str(device)!r} asked for, but CUDA is not available on this machine (torch {torch.__version__}); use --device cpu")
     if resolved.index is not None and resolved.index >= torch.cuda.device_count():

@@ -110,18 +110,19 @@ def test_perturbed_lora_element_fails(tiny_fixture, tiny_export, bf16_reference,
     assert ".lora_B." in name
 
 
-def test_bf16x3_lora_and_one_pass_pass_the_shared_prefix_gate(tiny_fixture, tiny_export, bf16_reference, reference_cache, tmp_path):
-    # The opt-in tensor-core LoRA and one-pass layout are judged by the same declared entry as the
-    # fast path they are part of.
+def test_fast_kernels_pass_the_shared_prefix_gate(tiny_fixture, tiny_export, bf16_reference, reference_cache, tmp_path):
+    # The fast path (its one-pass layout, chosen by the engine) is judged by the same declared entry
+    # as the shared-prefix mode it runs.
     report_path = tmp_path / "r.json"
     code, out = _invoke(
         _args(tiny_fixture, tiny_export["separate"], "--case", "all", "--dtype", "bf16", "--mode", "shared-prefix", "--kernels", "fast",
-              "--lora-gemm", "bf16x3", "--layout", "one-pass", "--threads", THREADS, "--reference-cache", str(reference_cache), "--report", str(report_path))
+              "--threads", THREADS, "--reference-cache", str(reference_cache), "--report", str(report_path))
     )
     assert code == 0, out
     report = json.loads(report_path.read_text(encoding="utf-8"))
-    assert report["setup"]["engine_options"]["lora_gemm"] == "bf16x3" and report["setup"]["engine_options"]["layout"] == "one-pass"
-    assert report["runtime"]["kernels"]["lora"] == "bf16x3 splits, tensor cores"
+    assert report["setup"]["engine_options"] == {"device": "cpu", "dtype": "bf16", "mode": "shared-prefix", "kernels": "fast",
+                                                 "graphs": False, "compile": False}
+    assert report["runtime"]["kernels"]["layers"] == "fused, eager"
 
 
 def _one_line_error(code, out):

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from parity import harness, tolerances
+from valen_runtime.options import EngineOptions
 
 SUBSET = ("text/refund", "text/unicode", "noul/cjk", "score/five_unicode", "mixed/image_three_types")
 
@@ -50,7 +51,7 @@ def test_positive_control_subset_passes(tiny_export, bf16_reference, all_cases):
 
 
 def test_swapped_candidates_in_runtime_prompt_fail(tiny_export, bf16_reference, all_cases, monkeypatch):
-    from valen_runtime import compile as rt_compile
+    from valen_runtime import request as rt_compile
 
     original = rt_compile.Compiler._compile_question
 
@@ -82,7 +83,7 @@ def test_unrounded_A_log_fails(tiny_export, bf16_reference, all_cases):
 
     export = tiny_export["separate"]
     manifest = json.loads((export / "valen_export.json").read_text())
-    engine = Engine.load(export, device="cpu", dtype="bf16", mode="per-branch")
+    engine = Engine.load(export, EngineOptions(device="cpu", dtype="bf16", mode="per-branch"))
     sources = SafetensorsFile(export / manifest["fp32_sources"]["file"])
     replaced = 0
     for name, value in sources.iter_tensors():
@@ -135,7 +136,7 @@ def test_shared_prefix_mode_within_its_tolerance(tiny_export, bf16_reference, al
 def test_runtime_crash_is_a_reported_failure(tiny_export, bf16_reference, all_cases, monkeypatch):
     from valen_runtime.engine import Engine
 
-    engine = Engine.load(tiny_export["separate"], device="cpu", dtype="bf16", mode="per-branch")
+    engine = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="bf16", mode="per-branch"))
     original = engine.run
 
     def crash_on_images(request):

@@ -32,9 +32,10 @@ for mode in ("separate", "merged"):
 RUN_SCRIPT = """
 import json, sys
 from valen_runtime.engine import Engine
+from valen_runtime.options import EngineOptions
 out = {}
 for mode in ("separate", "merged"):
-    engine = Engine.load(f"{sys.argv[1]}/{mode}", device="cpu", dtype="bf16")
+    engine = Engine.load(f"{sys.argv[1]}/{mode}", EngineOptions(device="cpu", dtype="bf16"))
     result = engine.run(json.loads(sys.argv[2]))
     out[mode] = {
         "response": json.dumps(result.response, ensure_ascii=False),

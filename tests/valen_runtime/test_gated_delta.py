@@ -39,15 +39,20 @@ def test_chunked_matches_recurrent(T, B, with_state, chunk_size, seed):
     o_c, s_c = chunk_gated_delta_rule(q, k, v, g, beta, init, output_final_state=True, chunk_size=chunk_size)
     o_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, init, output_final_state=True)
     assert o_c.shape == (B, T, 2, 12) and s_c.shape == (B, 2, 8, 12) and s_c.dtype == torch.float32
-    # Both fp32 forms against an fp64 evaluation of the definition, each within the round-off of
-    # the longest accumulation one output goes through: a chunk's intra-chunk sum (chunk_size
-    # terms) of key products (Dk) feeding a value-width update (Dv): gamma_n * max|truth|.
+    # Both fp32 forms against an fp64 evaluation of the definition, each within gamma_n *
+    # max|truth|, n the longest chain of roundings one output goes through: every token's update
+    # (a length-Dk product plus decay, gate and add) carried forward by a state map of norm <= 1
+    # (decay <= 1, q/k unit length, beta in [0, 1]), then a chunk's intra-chunk sum and a Dv-wide read.
     o_64, s_64 = fp64_delta_rule(q, k, v, g, beta, init)
-    n = chunk_size + q.shape[-1] + v.shape[-1]
-    bound = n * 2.0**-24 / (1 - n * 2.0**-24) * max(o_64.abs().max().item(), s_64.abs().max().item())
+    bound = delta_rule_bound(T, chunk_size, q.shape[-1], v.shape[-1], o_64, s_64)
     for o, s in ((o_c, s_c), (o_r, s_r)):
         assert (o.double() - o_64).abs().max().item() <= bound
         assert (s.double() - s_64).abs().max().item() <= bound
+
+
+def delta_rule_bound(T: int, chunk_size: int, Dk: int, Dv: int, o_64: torch.Tensor, s_64: torch.Tensor) -> float:
+    n = T * (Dk + 3) + chunk_size + Dv
+    return n * 2.0**-24 / (1 - n * 2.0**-24) * max(o_64.abs().max().item(), s_64.abs().max().item())
 
 
 def fp64_delta_rule(q, k, v, g, beta, initial_state):
@@ -74,8 +79,7 @@ def test_chunked_continues_from_its_own_state():
     second, s2 = chunk_gated_delta_rule(q[:, 70:], k[:, 70:], v[:, 70:], g[:, 70:], beta[:, 70:], s1, True)
     # Split or whole, both within the chunked form's round-off of the fp64 truth (as above, chunk 64).
     o_64, s_64 = fp64_delta_rule(q, k, v, g, beta, None)
-    n = 64 + q.shape[-1] + v.shape[-1]
-    bound = n * 2.0**-24 / (1 - n * 2.0**-24) * max(o_64.abs().max().item(), s_64.abs().max().item())
+    bound = delta_rule_bound(q.shape[1], 64, q.shape[-1], v.shape[-1], o_64, s_64)
     for o, s in ((torch.cat([first, second], 1), s2), (whole, s_whole)):
         assert (o.double() - o_64).abs().max().item() <= bound
         assert (s.double() - s_64).abs().max().item() <= bound

@@ -255,3 +255,15 @@ def test_decode_refusals(data, fmt, phrase):
 def test_limits_are_configurable():
     with pytest.raises(RequestError, match="each side"):
         decode_image(encode(noise(40, 10), "PNG"), "png", "f", ImageLimits(max_side=32))
+
+
+@pytest.mark.gpu
+def test_patchify_on_cuda_is_bitwise_equal_to_cpu():
+    # The engine uploads uint8 images and makes the fp32 patches on the device (cast, subtract,
+    # divide, a permutation): the same IEEE operations as on the CPU, so the same bits.
+    from valen_runtime.image import patchify
+
+    gen = torch.Generator().manual_seed(3)
+    batch = torch.randint(0, 256, (1, 3, 64, 96), generator=gen, dtype=torch.uint8)
+    config = ImageConfig()
+    assert torch.equal(patchify(batch.cuda(), config).pixel_values.cpu(), patchify(batch, config).pixel_values)

@@ -1,7 +1,7 @@
 """Host-side request compile time (JSON checks, base64, image decode and resize, tokenizer, prompt
 layout) for the latency benchmark's requests. CPU only; not a test.
 
-    python benchmarks/compile_bench.py --export EXPORT [--iters 20] [--out compile.json]
+    python benchmarks/request_bench.py --export EXPORT [--iters 20] [--out request.json]
 
 Builds nothing: point it at any export (the tiny fixture's is enough, the tokenizer and the
 image settings are the released ones). Reports the median per request, warm (question-piece
@@ -34,7 +34,7 @@ def main() -> None:
 
     import torch
 
-    from valen_runtime.compile import Compiler
+    from valen_runtime.request import Compiler
 
     torch.set_num_threads(1)
     report = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(), "requests": {}}

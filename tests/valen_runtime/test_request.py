@@ -1,4 +1,4 @@
-"""valen_runtime.compile: state prefix vs transformers 5.4.0, suffix segments per docs/valen-model.md,
+"""valen_runtime.request: state prefix vs transformers 5.4.0, suffix segments per docs/valen-model.md,
 request validation (docs/wire-contract.md) and a property test that nothing but RequestError escapes."""
 
 import base64
@@ -19,7 +19,7 @@ from PIL import Image
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from valen_runtime.compile import (  # noqa: E402
+from valen_runtime.request import (  # noqa: E402
     MAX_BODY,
     NOUL_CANDIDATES,
     CompiledRequest,
@@ -633,7 +633,7 @@ def _property_compiler(folder):
 def test_runtime_modules_do_not_import_transformers_or_peft():
     code = (
         "import sys\n"
-        "import valen_runtime.tokenizer, valen_runtime.image, valen_runtime.compile, valen_runtime.answers\n"
+        "import valen_runtime.tokenizer, valen_runtime.image, valen_runtime.request, valen_runtime.answers\n"
         "bad = sorted(m for m in ('transformers', 'peft', 'torchvision') if m in sys.modules)\n"
         "assert not bad, bad\n"
     )

@@ -1,0 +1,135 @@
+"""valen_runtime.fast.layers against the reference modules, one decoder layer at a time.
+
+Each layer of the tiny fixture's exports (LoRA separate and merged) gets fresh random inputs and
+runs twice: through `qwen35.DecoderLayer.forward` and through the fast model's layer function on
+the same weights, first as a 64-token prefix from an empty cache, then as a batch of 3 suffixes
+continuing the expanded cache. Outputs and the cache entries each writes must agree within the
+rounding the fast formulation moves (declared at each assert). The causal conv, the one piece
+written differently, is checked against F.conv1d directly.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from valen_runtime.fast.layers import causal_conv_silu, causal_conv_silu_taps
+from valen_runtime.fast.model import FastModel
+from valen_runtime.qwen35 import causal_mask
+from valen_runtime.weights import load_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def random_rows(model, batch: int, length: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, length, model.config.hidden_size, generator=gen).to(model.embed_tokens.weight.dtype)
+
+
+def rope(model, x, start: int):
+    B, T, _ = x.shape
+    pos = torch.arange(start, start + T).view(1, 1, -1).expand(3, B, -1).contiguous()
+    return model.rotary_emb(x, pos)
+
+
+def assert_layer_close(got: torch.Tensor, want: torch.Tensor, dtype: str, what: str) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    diff = (got.float() - want.float()).abs()
+    scale = want.float().abs().max().item()
+    if dtype == "fp32":
+        # The conv's and the grouped LoRA's summation order and the scale folded into B: fp32
+        # round-off (~1e-7 relative) that this random tiny network amplifies up to ~1000x
+        # (measured in tests/valen_runtime/test_qwen35.py), on average far less.
+        bound_max, bound_mean = 1e-4 * scale, 1e-6 * scale
+    else:
+        # bf16: SDPA keeps the scores and probabilities in fp32 where the reference rounds them
+        # to bf16 (the GDN layers come out bitwise equal); a flipped rounding is one bf16 ulp
+        # (2^-7 relative), and a flip in an intermediate plus one in the output is two. Flips
+        # are sparse: on average under one ulp of the largest value.
+        bound_max, bound_mean = 2**-6 * scale, 2**-8 * scale
+    assert diff.max().item() <= bound_max and diff.mean().item() <= bound_mean, (what, diff.max().item(), diff.mean().item(), scale)
+
+
+@pytest.mark.parametrize("lora", ["separate", "merged"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_every_layer_matches_its_reference_module(tiny_export, lora, dtype):
+    model = load_model(tiny_export[lora], dtype=dtype)
+    reference = model.text
+    fast = FastModel.build(model, compile=False).text
+    for i, layer in enumerate(reference.layers):
+        prefix, tails = random_rows(reference, 1, 64, seed=10 + i), random_rows(reference, 3, 21, seed=20 + i)
+        caches = [reference.new_cache(), fast.new_cache()]
+        outs = []
+        for run, cache in zip((layer, lambda *a: fast.layer(i, *a)), caches):
+            cos, sin = rope(reference, prefix, 0)
+            head = run(prefix, cos, sin, causal_mask(64, 0, prefix.dtype, prefix.device), cache)
+            cos, sin = rope(reference, tails, 64)
+            outs.append((head, run(tails, cos, sin, causal_mask(21, 64, tails.dtype, tails.device), cache.expand(3))))
+        for name, got, want in (("prefix", outs[1][0], outs[0][0]), ("suffixes", outs[1][1], outs[0][1])):
+            assert_layer_close(got, want, dtype, f"layer {i} ({layer.layer_type}) {name}")
+        ref_cache, fast_cache = caches
+        entries = ("conv_states", "recurrent_states") if layer.layer_type == "linear_attention" else ("keys", "values")
+        for entry in entries:  # what the prefix left for the suffixes
+            assert_layer_close(getattr(fast_cache, entry)[i], getattr(ref_cache, entry)[i], dtype, f"layer {i} {entry}")
+
+
+def test_causal_conv_continues_exactly_like_one_pass():
+    gen = torch.Generator().manual_seed(4)
+    C, K = 12, 4
+    weight = torch.randn(C, 1, K, generator=gen)
+    x = torch.randn(2, 30, C, generator=gen)
+    want = F.silu(F.conv1d(x.transpose(1, 2), weight, padding=K - 1, groups=C)[:, :, :30]).transpose(1, 2)
+    whole, tail = causal_conv_silu(x, torch.zeros(2, C, K - 1), weight)
+    torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-6)  # fp32: K products, summed in another order
+    first, mid = causal_conv_silu(x[:, :11], torch.zeros(2, C, K - 1), weight)
+    second, end = causal_conv_silu(x[:, 11:], mid, weight)
+    # A continuation computes the same products in the same order; vectorised kernels may fuse a
+    # multiply-add differently at other lengths (1 ulp).
+    torch.testing.assert_close(torch.cat([first, second], dim=1), whole, rtol=1e-6, atol=1e-7)
+    assert torch.equal(end, tail) and torch.equal(tail, x[:, -(K - 1):].transpose(1, 2))
+
+
+def test_tap_indexed_conv_equals_one_conv_per_sequence():
+    """Sequences packed in one row, all continuing the same history: the tap index (as
+    plan.one_pass_indices builds it) reads each one's own rows, or the shared history before its start."""
+    from valen_runtime.plan import one_pass_indices
+
+    gen = torch.Generator().manual_seed(8)
+    C, K, lengths = 6, 4, [5, 1, 70, 3]
+    weight = torch.randn(C, 1, K, generator=gen)
+    prev = torch.randn(1, C, K - 1, generator=gen)
+    mixed = torch.randn(1, sum(lengths), C, generator=gen)
+    _, offsets, taps, cu, _, _ = one_pass_indices(0, lengths, K)
+    packed = causal_conv_silu_taps(mixed, prev, weight, taps)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        want, _ = causal_conv_silu(mixed[:, start:end], prev, weight)
+        # Same products in the same order; vectorised kernels may fuse a multiply-add differently (1 ulp).
+        torch.testing.assert_close(packed[:, start:end], want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
+def test_compiled_layers_match_the_reference_cpu(tiny_export, roundoff_bound):
+    """torch.compile (inductor, C++ on the CPU) of the same layer functions, fp32, the whole stack
+    against the reference modules: inductor's fused kernels reorder fp32 sums, nothing more. Its
+    generated C++ vectorizes differently per CPU, so the bound is the stack's own fp32 round-off
+    at the input (tests/conftest.py), not a number measured on one machine."""
+    model = load_model(tiny_export["separate"], dtype="fp32")
+    compiled = FastModel.build(model, compile=True).text
+    config = model.text.config
+    widest = max(config.hidden_size, config.intermediate_size)
+    for batch, length, seed in ((1, 64, 6), (3, 21, 7)):
+        x = random_rows(model.text, batch, length, seed)
+        pos = torch.arange(length).view(1, 1, -1).expand(3, batch, -1).contiguous()
+        bound = roundoff_bound(lambda inputs: model.text(inputs, pos), x, widest, stages=config.num_hidden_layers)
+        diff = (compiled(x, pos) - model.text(x, pos)).abs().max().item()
+        assert diff <= bound, (f"batch {batch}, {length} tokens", diff, bound)

@@ -1,0 +1,205 @@
+"""valen_runtime.fast.model end to end against the reference modules it is built from.
+
+The text stack on the tiny fixture's exports (one-shot, a prefix continued by a batch of
+suffixes, the one-pass layout against one reference forward per sequence) and the vision tower
+(SDPA, the GEMM patch embed, compiled blocks). fp32 must agree to round-off; bf16 differs by
+rounding at other places, so there both bf16 paths are measured against the fp32 reference and
+the fast one must be about as accurate (two bf16 computations are no yardstick for each other).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from valen_runtime.fast.model import FastModel, OnePass, patch_gemm_matches_conv
+from valen_runtime.plan import one_pass_indices
+from valen_runtime.weights import load_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def positions(batch: int, start: int, length: int, device="cpu") -> torch.Tensor:
+    return torch.arange(start, start + length, device=device).view(1, 1, -1).expand(3, batch, -1).contiguous()
+
+
+def random_rows(hidden: int, batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randn(batch, length, hidden, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_fp32_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Summation order only: fp32 round-off (~1e-7 relative) that the random tiny network amplifies
+    up to ~1000x (measured in tests/valen_runtime/test_qwen35.py), on average far less."""
+    diff, scale = (got - want).abs(), want.abs().max().item()
+    assert diff.max().item() <= 1e-4 * scale and diff.mean().item() <= 1e-6 * scale, (diff.max().item(), diff.mean().item(), scale)
+
+
+def assert_as_accurate(got: torch.Tensor, want: torch.Tensor, truth: torch.Tensor, slack_mean: float = 1e-3, slack_max: float = 1e-2) -> None:
+    """The fast bf16 result about as accurate as the reference bf16 one, both against fp32 truth:
+    mean error within 1.5x and max error within 2x of the reference's (plus a slack of a small
+    fraction of a bf16 ulp at the outputs' magnitude, for errors that are both near zero)."""
+    err_ref, err_fast = (want.float() - truth).abs(), (got.float() - truth).abs()
+    assert err_fast.mean() <= 1.5 * err_ref.mean() + slack_mean, (err_fast.mean(), err_ref.mean())
+    assert err_fast.max() <= 2 * err_ref.max() + slack_max, (err_fast.max(), err_ref.max())
+
+
+def text_runs(text, prefix: torch.Tensor, tails: torch.Tensor) -> list[torch.Tensor]:
+    """One-shot over the prefix, then the tails continuing its cache (expanded to their batch)."""
+    dtype = text.embed_tokens.weight.dtype
+    device = text.embed_tokens.weight.device
+    prefix, tails = prefix.to(device, dtype), tails.to(device, dtype)
+    cache = text.new_cache()
+    head = text(prefix, positions(1, 0, prefix.shape[1], device), cache)
+    tail = text(tails, positions(tails.shape[0], prefix.shape[1], tails.shape[1], device), cache.expand(tails.shape[0]))
+    return [head.float().cpu(), tail.float().cpu()]
+
+
+@pytest.mark.parametrize("lora", ["separate", "merged"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_text_matches_the_reference_one_shot_and_continued(tiny_export, lora, dtype):
+    model = load_model(tiny_export[lora], dtype=dtype)
+    fast = FastModel.build(model, compile=False)
+    assert fast.kernels["layers"] == "fused, eager" and fast.kernels["gated_delta"] == "torch"
+    H = model.config.text_config.hidden_size
+    prefix, tails = random_rows(H, 1, 64, seed=2), random_rows(H, 3, 21, seed=3)
+    want, got = text_runs(model.text, prefix, tails), text_runs(fast.text, prefix, tails)
+    if dtype == "fp32":
+        for g, w in zip(got, want):
+            assert_fp32_close(g, w)
+    else:
+        truth = text_runs(load_model(tiny_export[lora], dtype="fp32").text, prefix, tails)
+        for g, w, t in zip(got, want, truth):
+            assert_as_accurate(g, w, t)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_pass_equals_one_reference_forward_per_sequence(tiny_export, dtype):
+    """[prefix | three continuations] in one sweep against the reference run once per sequence on
+    prefix + continuation from position 0 (chunks line up: the prefix is 64 tokens)."""
+    model = load_model(tiny_export["separate"], dtype=dtype)
+    fast = FastModel.build(model, compile=False)
+    cfg = model.config.text_config
+    P, lengths = 64, [21, 5, 13]
+    prefix = random_rows(cfg.hidden_size, 1, P, seed=4)
+    conts = [random_rows(cfg.hidden_size, 1, n, seed=5 + n) for n in lengths]
+    layout = OnePass(*one_pass_indices(P, lengths, cfg.linear_conv_kernel_dim))
+    rows = torch.cat([prefix, *conts], dim=1)
+    rows_pos = torch.cat([positions(1, 0, P)] + [positions(1, P, n) for n in lengths], dim=2)
+    wdtype = model.text.embed_tokens.weight.dtype
+
+    def per_sequence(text):
+        dtype = text.embed_tokens.weight.dtype
+        outs = [text(torch.cat([prefix, c], dim=1).to(dtype), positions(1, 0, P + c.shape[1])).float() for c in conts]
+        return torch.cat([outs[0][:, :P]] + [o[:, P:] for o in outs], dim=1)  # rows in the one-pass order
+
+    got = fast.text.one_pass(rows.to(wdtype), rows_pos, layout).float()
+    want = per_sequence(model.text)
+    if dtype == "fp32":
+        assert_fp32_close(got, want)
+    else:
+        assert_as_accurate(got, want, per_sequence(load_model(tiny_export["separate"], dtype="fp32").text))
+
+
+def vision_inputs(model, grids, seed: int):
+    from valen_runtime.vision import frame_lengths
+
+    cfg = model.config.vision_config
+    n = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(n, cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2, generator=torch.Generator().manual_seed(seed))
+    return pixels, torch.tensor(grids), frame_lengths(grids)
+
+
+GRIDS = ([[1, 4, 4]], [[1, 6, 10], [2, 2, 4]], [[1, 12, 12]])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_vision_matches_the_reference(tiny_export, dtype):
+    model = load_model(tiny_export["separate"], dtype=dtype)
+    fast = FastModel.build(model, compile=False)
+    assert fast.vision.patch_gemm  # on the CPU the GEMM has the conv's products
+    truth = load_model(tiny_export["separate"], dtype="fp32").vision if dtype == "bf16" else None
+    for seed, grids in enumerate(GRIDS):
+        pixels, grid, _ = vision_inputs(model, grids, seed)
+        want, got = model.vision(pixels, grid).float(), fast.vision(pixels, grid).float()
+        if dtype == "fp32":
+            assert_fp32_close(got, want)
+        else:
+            assert_as_accurate(got, want, truth(pixels, grid))
+
+
+def test_patch_embed_gemm_matches_the_conv(tiny_export):
+    """The Conv3d (kernel = stride) as one GEMM: the same products, summed in another order (fp32)."""
+    model = load_model(tiny_export["separate"], dtype="fp32")
+    fast = FastModel.build(model, compile=False)
+    pixels, _, _ = vision_inputs(model, [[1, 4, 6]], seed=9)
+    torch.testing.assert_close(fast.vision.patch_embed(pixels), model.vision.patch_embed(pixels), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("allow_tf32", [True, False])
+def test_patch_gemm_only_where_it_computes_what_the_conv_does(monkeypatch, allow_tf32):
+    # cuDNN runs fp32 convolutions in TF32 unless told not to (the reference keeps torch's
+    # default); our GEMMs never do. Every other combination has the conv's exact products.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow_tf32)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert patch_gemm_matches_conv(torch.float32, cuda) is (not allow_tf32)
+    assert patch_gemm_matches_conv(torch.bfloat16, cuda) and patch_gemm_matches_conv(torch.float32, cpu)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
+def test_compiled_vision_blocks_match_the_reference_cpu(tiny_export, roundoff_bound):
+    """One torch.compile'd block function for all blocks (inductor, C++ on the CPU), fp32: fused
+    kernels reorder fp32 sums only, differently per CPU, so the bound is the tower's own fp32
+    round-off (tests/conftest.py: a stage per block, the MLP's reduction the widest)."""
+    model = load_model(tiny_export["separate"], dtype="fp32")
+    fast = FastModel.build(model, compile=True)
+    config = model.vision.config
+    for seed, grids in enumerate(GRIDS[:2]):
+        pixels, grid, _ = vision_inputs(model, grids, seed)
+        bound = roundoff_bound(lambda p: model.vision(p, grid), pixels, config.intermediate_size, stages=config.depth)
+        assert (fast.vision(pixels, grid) - model.vision(pixels, grid)).abs().max().item() <= bound
+
+
+# On the H200 (2026-11-30), against the fp32 reference, the suffix batch's max error was 2.35 for
+# the compiled fast layers and 0.64 for the reference modules (this test), with SDPA or the eager
+# attention formula alike; the loss sat in the cache the compiled GDN prefix writes (conv tail and
+# recurrent state 7-10x further from fp32 than eager's), and a compiled continuation from an eager
+# cache was accurate. Inductor's C++ backend on the CPU matches the reference. Open
+# (docs/parity.md); the 2b parity runs stayed inside their gates.
+COMPILED_BF16_CONTINUATION = pytest.mark.xfail(
+    strict=True, reason="compiled fast layers on CUDA lose bf16 accuracy on cached continuations (docs/parity.md)"
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype, compile",
+    [("fp32", True), ("bf16", False), pytest.param("bf16", True, marks=COMPILED_BF16_CONTINUATION)],
+)
+def test_text_matches_the_reference_cuda(tiny_export, dtype, compile, roundoff_bound):
+    """The fast text stack on CUDA (eager, or torch.compile'd: inductor, Triton; fla-core in bf16)
+    against the reference modules on CUDA: a prefix, then a batch of suffixes on its cache."""
+    model = load_model(tiny_export["separate"], device="cuda", dtype=dtype)
+    fast = FastModel.build(model, compile=compile)
+    assert fast.kernels["layers"] == ("fused, torch.compile" if compile else "fused, eager")
+    gen, H = torch.Generator().manual_seed(4), model.config.text_config.hidden_size
+    prefix, tails = torch.randn(1, 64, H, generator=gen), torch.randn(3, 21, H, generator=gen)
+    want, got = text_runs(model.text, prefix, tails), text_runs(fast.text, prefix, tails)
+    if dtype == "fp32":  # summation order only (TF32 off): the stack's own fp32 round-off (tests/conftest.py)
+        config = model.text.config
+        flat = lambda p: torch.cat([o.reshape(-1) for o in text_runs(model.text, p, tails)])  # noqa: E731
+        bound = roundoff_bound(flat, prefix.to("cuda"), max(config.hidden_size, config.intermediate_size), stages=config.num_hidden_layers)
+        for g, w in zip(got, want):
+            assert (g - w).abs().max().item() <= bound, (g - w).abs().max()
+    else:
+        truth = text_runs(load_model(tiny_export["separate"], device="cuda", dtype="fp32").text, prefix, tails)
+        for g, w, t in zip(got, want, truth):
+            assert_as_accurate(g, w, t)

@@ -1,0 +1,207 @@
+"""Whole decoder layers as functions of tensors, so one torch.compile serves all 24 layers.
+
+The reference modules (qwen35.py) launch ~60 kernels per layer: every norm, cast, gate, residual
+and LoRA add is its own launch, and at Valen's request sizes launches, not FLOPs, are the cost.
+Here a layer is one function of tensors only (weights passed in as NamedTuples, no module state,
+no cache object), so one compiled `gdn_layer` / `attention_layer` serves every layer and shape,
+and inductor fuses everything between the GEMMs, the delta rule (one opaque custom op) and
+attention into a few kernels. They call the reference's own pieces (rms_norm, rms_norm_gated,
+decay_and_beta, apply_rotary, l2norm); what differs is the fused projections (projections.py),
+SDPA, and the causal conv written as K shifted fp32 products summed and rounded once (what
+F.conv1d computes), which also reads a tap index so packed sequences can share one history.
+
+Shape letters as in qwen35.py; W weights.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..gated_delta import l2norm
+from ..qwen35 import DecoderLayer, apply_rotary, decay_and_beta, rms_norm, rms_norm_gated
+from .kernels import gated_delta_rule_op, gated_delta_rule_varlen_op, sdpa_attention
+from .projections import Projection, fuse, project
+
+# ---------------------------------------------------------------------------------------------
+# Weights, gathered once from the reference modules (NamedTuples: the compiler flattens them into
+# plain tensor inputs, so one compiled function serves every layer).
+
+
+class MlpWeights(NamedTuple):
+    post_norm: torch.Tensor
+    gate_up: Projection  # [2I, H]
+    down: Projection
+
+
+class GdnWeights(NamedTuple):
+    input_norm: torch.Tensor
+    in_proj: Projection  # [C + Hv*Dv + Hv + Hv, H]: qkv | z | b | a
+    conv: torch.Tensor  # [C, 1, K]
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    gated_norm: torch.Tensor
+    out_proj: Projection
+    mlp: MlpWeights
+
+
+class AttentionWeights(NamedTuple):
+    input_norm: torch.Tensor
+    qkv: Projection  # [Hq*2D + 2*Hk*D, H]: q|gate, k, v
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: Projection
+    mlp: MlpWeights
+
+
+def gather_weights(layer: DecoderLayer) -> GdnWeights | AttentionWeights:
+    """One decoder layer's tensors in the order the layer functions read them (the fused
+    projections become the modules' storage; see projections.fuse)."""
+    mlp = layer.mlp
+    mlp_w = MlpWeights(layer.post_attention_layernorm.weight, fuse([mlp.gate_proj, mlp.up_proj]), fuse([mlp.down_proj]))
+    if layer.layer_type == "linear_attention":
+        gdn = layer.linear_attn
+        in_proj = fuse([gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a])
+        return GdnWeights(layer.input_layernorm.weight, in_proj, gdn.conv1d.weight, gdn.A_log, gdn.dt_bias,
+                          gdn.norm.weight, fuse([gdn.out_proj]), mlp_w)
+    att = layer.self_attn
+    return AttentionWeights(layer.input_layernorm.weight, fuse([att.q_proj, att.k_proj, att.v_proj]), att.q_norm.weight,
+                            att.k_norm.weight, fuse([att.o_proj]), mlp_w)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+def mlp_residual(x: torch.Tensor, eps: float, w: MlpWeights) -> torch.Tensor:
+    """x + MLP(post_attention_layernorm(x)) with the gate and up projections as one GEMM."""
+    h = rms_norm(x, w.post_norm, eps)
+    gate, up = project(h, w.gate_up).chunk(2, dim=-1)  # [B, T, I] each
+    return x + project(F.silu(gate) * up, w.down)
+
+
+def causal_conv_silu(mixed: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU, continuing from the last K-1 inputs.
+
+    mixed [B, T, C], prev [B, C, K-1] (zeros at the start), weight [C, 1, K] ->
+    out [B, T, C] (conv summed in fp32, rounded once, then SiLU as F.silu does on it) and the new
+    tail [B, C, K-1].
+    """
+    K, T = weight.shape[-1], mixed.shape[1]
+    full = torch.cat([prev.transpose(1, 2).to(mixed.dtype), mixed], dim=1)  # [B, K-1+T, C]
+    out = _conv_taps_silu([full[:, j : j + T] for j in range(K)], weight, mixed.dtype)
+    return out, full[:, T:].transpose(1, 2)  # tail [B, C, K-1]
+
+
+def causal_conv_silu_taps(mixed: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """`causal_conv_silu` for sequences packed in one row that continue a shared history.
+
+    mixed [1, T, C], prev [1, C, K-1], weight [C, 1, K], taps [K, T] (indices into
+    [prev | mixed] of each output's K inputs: a token's own sequence, or the shared history
+    before its start) -> out [1, T, C]. Same products and order as the unpacked form.
+    """
+    src = torch.cat([prev.transpose(1, 2).to(mixed.dtype), mixed], dim=1)  # [1, K-1+T, C]
+    return _conv_taps_silu([src[:, taps[j]] for j in range(weight.shape[-1])], weight, mixed.dtype)
+
+
+def _conv_taps_silu(taps: list[torch.Tensor], weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """silu(sum_j taps[j] * weight[:, 0, j]) with the sum in fp32 and one rounding to `dtype`;
+    taps[j] [.., T, C] holds every output's j-th conv input."""
+    w = weight[:, 0, :].float()  # [C, K]
+    acc = taps[0].float() * w[:, 0]
+    for j in range(1, len(taps)):
+        acc = acc + taps[j].float() * w[:, j]
+    return F.silu(acc.to(dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# The layers
+
+
+class LayerFns(NamedTuple):
+    gdn: Callable  # (x, conv_prev, state_prev, w) -> (x, conv tail, state)
+    gdn_one_pass: Callable  # (x, conv_zero, state_zero, taps, prefix_rows, cu_seqlens, chunk_indices, w) -> x
+    attention: Callable  # (x, cos, sin, mask, k_prev, v_prev, w) -> (x, keys, values)
+
+
+def make_layer_fns(cfg, delta_impl: str) -> LayerFns:
+    """The layer functions for one text config; sizes are closure constants to the compiler and
+    `delta_impl` ("torch" or "fla") picks the delta rule behind the custom ops."""
+    eps = cfg.rms_norm_eps
+    Hkl, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    key_dim, value_dim = Hkl * Dk, Hv * Dv
+    in_splits = [2 * key_dim + value_dim, value_dim, Hv, Hv]
+    D, Hq, Hk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    qkv_splits = [Hq * D * 2, Hk * D, Hk * D]
+    scaling = D**-0.5
+
+    def gdn_body(x, w: GdnWeights, conv: Callable, rule: Callable):
+        """The GDN layer around its two sequence-mixing steps: conv(mixed) -> (mixed, tail) and
+        rule(q, k, v, g, beta) -> (out, state), which differ between batched and packed rows."""
+        B, T, _ = x.shape
+        h = rms_norm(x, w.input_norm, eps)
+        mixed, z, b, a = project(h, w.in_proj).split(in_splits, dim=-1)
+        mixed, conv_tail = conv(mixed)  # [B, T, C]
+        q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
+        q, k = l2norm(q.reshape(B, T, Hkl, Dk)), l2norm(k.reshape(B, T, Hkl, Dk))  # in the activation dtype
+        if Hv // Hkl > 1:
+            q, k = q.repeat_interleave(Hv // Hkl, dim=2), k.repeat_interleave(Hv // Hkl, dim=2)
+        g, beta = decay_and_beta(a, b, w.A_log, w.dt_bias)  # [B, T, Hv]
+        core, state = rule(q, k, v.reshape(B, T, Hv, Dv), g, beta)
+        out = rms_norm_gated(core.reshape(-1, Dv), z.reshape(-1, Dv), w.gated_norm, eps).reshape(B, T, -1)
+        x = x + project(out, w.out_proj)
+        return mlp_residual(x, eps, w.mlp), conv_tail, state
+
+    def gdn_layer(x, conv_prev, state_prev, w: GdnWeights):
+        """x [B, T, H], conv_prev [B, C, K-1], state_prev [B, Hv, Dk, Dv] fp32 -> (x, conv tail, state)."""
+        return gdn_body(
+            x, w, lambda mixed: causal_conv_silu(mixed, conv_prev, w.conv),
+            lambda q, k, v, g, beta: gated_delta_rule_op(q, k, v, g, beta, state_prev, delta_impl),
+        )
+
+    def gdn_layer_one_pass(x, conv_zero, state_zero, taps, prefix_rows, cu_seqlens, chunk_indices, w: GdnWeights):
+        """One pass over [prefix (P rows) | packed continuations]: x [1, P + T, H]; the prefix starts
+        from zero history, the continuations from the prefix's final state, computed in this very
+        layer (two delta-rule calls); taps index [zeros (K-1) | row]. -> x."""
+        P = prefix_rows.shape[0]
+
+        def rule(q, k, v, g, beta):
+            out_p, state = gated_delta_rule_op(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], state_zero, delta_impl)
+            initial = state.expand(cu_seqlens.shape[0] - 1, *state.shape[1:]).contiguous()  # [n, Hv, Dk, Dv]
+            out_c = gated_delta_rule_varlen_op(q[:, P:], k[:, P:], v[:, P:], g[:, P:], beta[:, P:], initial, cu_seqlens,
+                                               chunk_indices, delta_impl)
+            return torch.cat([out_p, out_c], dim=1), None
+
+        out, _, _ = gdn_body(x, w, lambda mixed: (causal_conv_silu_taps(mixed, conv_zero, w.conv, taps), None), rule)
+        return out
+
+    def attention_layer(x, cos, sin, mask, k_prev, v_prev, w: AttentionWeights):
+        """x [B, T, H], cos / sin [B, T, R], k_prev / v_prev [B, Hk, S-T, D] or None -> (x, keys, values)."""
+        B, T, _ = x.shape
+        h = rms_norm(x, w.input_norm, eps)
+        q_out, k_out, v_out = project(h, w.qkv).split(qkv_splits, dim=-1)
+        q, gate = torch.chunk(q_out.reshape(B, T, -1, D * 2), 2, dim=-1)
+        q = rms_norm(q.reshape(B, T, -1, D), w.q_norm, eps).transpose(1, 2)  # [B, Hq, T, D]
+        k = rms_norm(k_out.reshape(B, T, -1, D), w.k_norm, eps).transpose(1, 2)  # [B, Hk, T, D]
+        v = v_out.reshape(B, T, -1, D).transpose(1, 2)
+        q, k = apply_rotary(q, k, cos, sin)
+        if k_prev is not None:
+            k, v = torch.cat([k_prev, k], dim=2), torch.cat([v_prev, v], dim=2)  # [B, Hk, S, D]
+        out = sdpa_attention(q, k, v, mask, scaling).reshape(B, T, -1)  # [B, T, Hq*D]
+        out = out * torch.sigmoid(gate.reshape(B, T, -1))
+        x = x + project(out, w.o_proj)
+        return mlp_residual(x, eps, w.mlp), k, v
+
+    return LayerFns(gdn_layer, gdn_layer_one_pass, attention_layer)
+
+
+def compile_layer_fns(fns: LayerFns) -> LayerFns:
+    """torch.compile every layer function the way the fast model runs them."""
+    # Each (batch 1 / batch N, with / without cached keys, LoRA / merged) combination is one
+    # compiled variant per function; the default limit of 8 would silently fall back to eager.
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 64)
+    # emulate_precision_casts: keep eager's bf16 roundings between fused ops.
+    return LayerFns(*(torch.compile(fn, fullgraph=True, options={"emulate_precision_casts": True}) for fn in fns))
