@@ -14,7 +14,8 @@ FINAL=${OUT:-/tmp/valen-gpu-out}
 OUT=/tmp/valen-gpu-results  # many small files; packed into one archive at the end ($OUT takes 8 files)
 rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
 STEPS=${STEPS:-"tests latency parity"}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/transformers-*.whl .whl/tokenizers-*.whl .whl/peft-*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/transformers-*.whl .whl/tokenizers-*.whl .whl/peft-*.whl \
+  .whl/jsonschema-*.whl .whl/jsonschema_specifications-*.whl .whl/referencing-*.whl .whl/rpds_py-*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl || exit 1
 export PYTHONPATH="$PWD:/tmp/site:/tmp/site-fla"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
