@@ -28,16 +28,17 @@ IMAGE_TOKEN = 12
 
 
 def tiny_hf_config() -> Qwen3_5Config:
-    """4 text layers [L, L, L, F], hidden 64, mrope_section summing to 4."""
+    """4 text layers [L, L, L, F], hidden 64; rotary half 8 split unevenly [4, 3, 1] over T/H/W
+    (like 2B's [11, 11, 10], a swap of two sections changes the interleave, so it cannot hide)."""
     text = dict(
         vocab_size=404, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
         num_attention_heads=4, num_key_value_heads=1, head_dim=32,
         # 4 value heads over 2 key heads also exercises the q/k repeat_interleave branch.
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_conv_kernel_dim=4, max_position_embeddings=4096, tie_word_embeddings=True,
-        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
-                             mrope_section=[2, 1, 1], mrope_interleaved=True),
+        linear_conv_kernel_dim=4, max_position_embeddings=4096, tie_word_embeddings=True, partial_rotary_factor=0.5,
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.5,
+                             mrope_section=[4, 3, 1], mrope_interleaved=True),
     )
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
                   temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=64)
