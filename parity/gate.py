@@ -1,93 +1,306 @@
-"""CI parity gate: `python -m parity.gate OUTDIR` (`make parity-gate`).
+"""The parity gate: `python -m parity.gate OUTDIR` (`make parity-gate`; `--device cuda` on a GPU).
 
-Builds the tiny synthetic fixture under OUTDIR (removing any previous OUTDIR), exports it in both
-LoRA modes, and runs the `valen-parity` comparison (`parity.cli.run`, the code behind the
-command) with every built-in case on the CPU for fp32 and bf16, per-branch and shared-prefix:
-8 combinations, plus the 4 shared-prefix ones again as CUDA runs them by default: the fast
-path's kernels (fused layers, eager on the CPU) in the one-pass layout. The reference is built once per dtype (its results are shared through a reference
-cache; the reference does not depend on the export or the runtime's execution mode). Reports go
-to OUTDIR/reports/<lora>-<dtype>-<mode>.json, a summary to OUTDIR/summary.json. Exit 0 only when
-all pass; 1 on any parity failure; 2 on a usage error. `--device cuda` runs the same
-combinations on a GPU (both sides) against the CUDA tolerance entries.
+1. Builds the synthetic fixture (`--preset tiny`, or `2b` for the Qwen3.5-2B shapes) and both
+   exports under OUTDIR, or reuses them from `--work`.
+2. Takes the generated request set (`--set ci`: 40 questions, the CPU default; `gpu`: 210).
+3. Starts the reference processes once for the whole set (bf16, the fp32 truth, and fp64 on the
+   CPU), in the background, while this process runs the runtime: each runtime configuration once,
+   reused by every gate that needs it (a bf16 configuration's dual run is the fp32 run of the same
+   options).
+4. Judges every configuration by its declared gate (`manifests/tolerances.json`):
+   CPU: both LoRA modes x fp32/bf16 x per-branch, shared-prefix (PyTorch kernels) and
+   shared-prefix with the fast kernels in the one-pass layout (what CUDA runs by default);
+   CUDA: both LoRA modes in the engine's default configuration (shared-prefix, fast path, CUDA
+   graphs) in bf16, with its fp32 dual run.
+5. With `--controls`, runs every negative control (`parity.controls`) in every configuration
+   that runs the code it damages, on a few requests that exercise it; each must FAIL.
+
+Reports: OUTDIR/reports/<configuration>.json (controls under reports/controls/), a summary in
+OUTDIR/summary.json and on stdout. Exit 0 when every configuration passes and every control
+fails; 1 otherwise (also when `--budget` ran out before everything ran); 2 on a usage error.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-COMBOS = [(dtype, lora, mode) for dtype in ("fp32", "bf16") for lora in ("separate", "merged") for mode in ("per-branch", "shared-prefix")]
-# Shared-prefix again the way CUDA runs it by default: the fast path's kernels (its fused layer
-# functions run eagerly on the CPU) in the one-pass layout; judged by the same entries. On CUDA the
-# engine's own choice already is that path.
-FAST_COMBOS = [(dtype, lora, "shared-prefix", "fast", "one-pass") for dtype in ("fp32", "bf16") for lora in ("separate", "merged")]
+from . import compare, generator, harness, runtime_adapter, tolerances
+from . import controls as controls_mod
+from .cli import check_device, needed_runs, select_gate
+from .errors import UsageProblem
+from .reference_run import start_reference
+from .report import table
+from .runtime_adapter import RuntimeOptions
+
+
+@dataclass(frozen=True)
+class Config:
+    lora: str
+    options: RuntimeOptions
+
+    @property
+    def name(self) -> str:
+        o = self.options
+        parts = [self.lora, o.dtype, o.mode] + ([o.kernels] if o.kernels else []) + ([o.layout] if o.layout else [])
+        if o.graphs is False:
+            parts.append("no-graphs")
+        return "-".join(parts)
+
+
+def configurations(device: str, kernels: str | None = None, graphs: bool | None = None) -> list[Config]:
+    """The gate's configurations."""
+    out = []
+    for lora in ("separate", "merged"):
+        if device == "cpu":
+            for dtype in ("bf16", "fp32"):
+                out += [Config(lora, RuntimeOptions("cpu", dtype, "per-branch")),
+                        Config(lora, RuntimeOptions("cpu", dtype, "shared-prefix", kernels="torch")),
+                        # The fast path's code (fused layers run eagerly) in CUDA's default layout.
+                        Config(lora, RuntimeOptions("cpu", dtype, "shared-prefix", kernels="fast", layout="one-pass"))]
+        else:
+            out.append(Config(lora, RuntimeOptions(device, "bf16", "shared-prefix", kernels=kernels, graphs=graphs)))
+    if device != "cpu":  # the merged dual check's anchor runs anyway: judge it against the truth too
+        out.append(Config("merged", runtime_adapter.module_path_options(RuntimeOptions(device))))
+    return out
+
+
+class Deadline:
+    def __init__(self, seconds: float | None):
+        self.t0 = time.perf_counter()
+        self.seconds = seconds
+
+    def left(self) -> float | None:
+        return None if self.seconds is None else self.seconds - (time.perf_counter() - self.t0)
+
+    def expired(self, need: float = 0.0) -> bool:
+        left = self.left()
+        return left is not None and left < need
+
+
+def _say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def build_inputs(out: Path, work: Path | None, preset: str) -> tuple:
+    """(fixture, {lora: export dir}); under `work` only what is missing is built."""
+    from valen_export.export import export
+    from valen_export.fixture import build_fixture
+
+    root = work if work is not None else out
+    fx_dir = root / f"fixture-{preset}"
+    if (fx_dir / "pins.json").exists():
+        from valen_export.fixture import Fixture
+
+        fx = Fixture(fx_dir, fx_dir / "base", fx_dir / "checkpoint", fx_dir / "pins.json")
+    else:
+        fx = build_fixture(fx_dir, preset=preset, seed=0)
+    exports = {}
+    for lora in ("separate", "merged"):
+        exports[lora] = root / f"export-{preset}-{lora}"
+        if not (exports[lora] / "valen_export.json").exists():
+            export(fx.checkpoint, fx.base, exports[lora], lora_mode=lora, pins_path=fx.pins, progress=False)
+    return fx, exports
+
+
+def _free_device_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def evaluate_config(config: Config, export: Path, fx, requests, refs, gate, runs: dict, threads) -> dict:
+    """`runs`: {(lora, options): RuntimeRun} holding every run `needed_runs` names for this config."""
+    setup = harness.Setup(export, fx.checkpoint, fx.base, config.options, threads=threads)
+    roles = {role: runs[(config.lora, o)] for role, o in needed_runs(gate, config.options).items()}
+    return harness.evaluate(setup, requests, refs, gate, roles["main"], roles.get("fp32"), roles.get("anchor"))
+
+
+def run_control(control, config: Config, export: Path, fx, requests, refs, gate, threads, fail_fast: bool) -> dict:
+    """The gate of `config` with `control` applied, on `requests`; expected verdict: fail. With
+    fail_fast, a configuration with a dual check judges its fp32 run first and stops there when it
+    already fails (each run of a damaged compiled path costs a compile)."""
+    roles = needed_runs(gate, config.options)
+    runs = {}
+    with control.applied():
+        if fail_fast and "fp32" in roles:
+            anchor = runtime_adapter.run(export, roles["anchor"], requests, threads=threads) if "anchor" in roles else None
+            fp32_run = runtime_adapter.run(export, roles["fp32"], requests, threads=threads)
+            setup = harness.Setup(export, fx.checkpoint, fx.base, roles["fp32"], threads=threads)
+            refs32 = {"bf16": refs["bf16"], "fp32": refs["fp32"] if anchor is None else harness.AnchorRun(refs["fp32"], anchor)}
+            report = harness.judge_run(setup, requests, refs32, gate.dual_gate, fp32_run,
+                                     compare.bf16_error(refs, [f"{c}/{n}" for c, n, _ in requests]))
+            if report["verdict"] == "fail":
+                report["note"] = "fail-fast: the dual check's fp32 run already failed; the bf16 run was not needed"
+                return report
+            runs[(config.lora, roles["fp32"])] = fp32_run
+            if anchor is not None:
+                runs[(config.lora, roles["anchor"])] = anchor
+        for role, options in roles.items():
+            if (config.lora, options) not in runs:
+                runs[(config.lora, options)] = runtime_adapter.run(export, options, requests, threads=threads)
+    return evaluate_config(config, export, fx, requests, refs, gate, runs, threads)
+
+
+def _errors(report: dict) -> str:
+    e = report["summary"]["errors"]
+    col = lambda k: "-" if not e[k] else f"{e[k]['max']:.2e}"  # noqa: E731
+    return f"ref-vs-truth {col('reference_vs_truth')}  rt-vs-truth {col('runtime_vs_truth')}  rt-vs-ref {col('runtime_vs_reference')}"
+
+
+def _first_problem(report: dict) -> str:
+    for e in report["requests"]:
+        for p in e["problems"]:
+            return f"{e['case']}/{e['name']}: {p}"
+        for q in e["questions"]:
+            for p in q.get("problems", []):
+                return f"{e['case']}/{e['name']} {q['qid']}: {p}"
+    for p in report["distribution"].get("problems", []):
+        return p
+    if report.get("dual") is not None and report["dual"]["verdict"] == "fail":
+        return "dual: " + _first_problem(report["dual"])
+    return "-"
+
+
+def _write(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parity.gate", description=__doc__.splitlines()[0])
     ap.add_argument("outdir", type=Path)
-    ap.add_argument("--tolerances", type=Path, default=None)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1: the tiny model gains nothing from more)")
-    ap.add_argument("--case", default="all")
-    ap.add_argument("--kernels", choices=["torch", "fast"], default=None, help="runtime kernels (default: the engine's choice)")
-    ap.add_argument("--no-cuda-graphs", action="store_true", help="turn the runtime's CUDA-graph replay off")
-    ap.add_argument("--device", default="cpu", help="cpu (the CI gate) or cuda (GPU measurements; CUDA tolerance entries)")
+    ap.add_argument("--device", default="cpu", help="cpu (the CI gate) or cuda")
+    ap.add_argument("--preset", choices=["tiny", "2b"], default="tiny", help="fixture shapes (default tiny)")
+    ap.add_argument("--work", type=Path, default=None, help="reuse (or build once) the fixture and exports here instead of OUTDIR")
+    ap.add_argument("--set", dest="request_set", choices=sorted(generator.SETS), default=None, help="generated request set (default: ci on the CPU, gpu on CUDA)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tolerances", type=Path, default=tolerances.DEFAULT_PATH)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: 1 on the CPU, torch's default on CUDA)")
+    ap.add_argument("--kernels", choices=runtime_adapter.KERNELS, default=None, help="CUDA: runtime kernels (default: the engine's choice)")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="CUDA: turn the runtime's CUDA-graph replay off")
+    ap.add_argument("--no-fp64", action="store_true", help="CPU: skip the fp64 reference (the truth columns of fp32 runs)")
+    ap.add_argument("--controls", action="store_true", help="also run every negative control (each must fail)")
+    ap.add_argument("--only-controls", action="store_true", help="run the negative controls only (no positive configurations)")
+    ap.add_argument("--control-requests", type=int, default=4, help="requests per control run (default 4)")
+    ap.add_argument("--reference-shards", type=int, default=1, help="reference processes per dtype (default 1)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds; work not started in time is skipped (and the gate fails)")
     args = ap.parse_args(argv)
 
-    from . import harness, tolerances
-    from .cli import run
-    from valen_export.export import export
-    from valen_export.fixture import build_fixture
-
-    t0 = time.perf_counter()
+    deadline = Deadline(args.budget)
+    device = args.device.split(":")[0]
+    threads = args.threads if args.threads is not None else (1 if device == "cpu" else None)
     out = args.outdir
     if out.exists():
         shutil.rmtree(out)
-    out.mkdir(parents=True)
-    fx = build_fixture(out / "fixture", preset="tiny", seed=0)
-    exports = {}
-    for lora in ("separate", "merged"):
-        exports[lora] = out / f"export-{lora}"
-        export(fx.checkpoint, fx.base, exports[lora], lora_mode=lora, pins_path=fx.pins, progress=False)
-    print(f"fixture and exports ready in {time.perf_counter() - t0:.1f} s", flush=True)
-
-    summary = {}
-    failed = []
-    (out / "reports").mkdir()
-    combos = [(*c, args.kernels, None) for c in COMBOS]
-    if args.device == "cpu" and args.kernels is None:
-        combos += FAST_COMBOS
-    for dtype, lora, mode, kernels, layout in combos:
-        t1 = time.perf_counter()
+    (out / "reports").mkdir(parents=True)
+    try:
+        check_device(args.device)
+        fx, exports = build_inputs(out, args.work, args.preset)
+        _say(f"fixture ({args.preset}) and exports ready at {time.perf_counter() - deadline.t0:.1f} s")
+        requests = generator.SETS[args.request_set or ("ci" if device == "cpu" else "gpu")](args.seed)
+        n_questions = sum(len(r["questions"]) for *_, r in requests)
+        configs = [] if args.only_controls else configurations(args.device, args.kernels, False if args.no_cuda_graphs else None)
+        control_configs = configurations(args.device, args.kernels, False if args.no_cuda_graphs else None)
+        gates = {c: select_gate(args.tolerances, c.lora, c.options) for c in control_configs}
+        dtypes = sorted({d for c in control_configs for d in harness.reference_dtypes(gates[c], device, not args.no_fp64)})
+        ids = [(f"{c}/{n}", r) for c, n, r in requests]
+        jobs = {d: start_reference(fx.checkpoint, fx.base, ids, device=args.device, dtype=d, threads=threads,
+                                   cache_dir=out / "reference-cache", shards=args.reference_shards) for d in dtypes}
+        _say(f"{len(requests)} requests, {n_questions} questions; reference processes started: {', '.join(dtypes)} x {args.reference_shards}")
+        summary = {"configurations": {}, "controls": {}, "skipped": [], "requests": len(requests), "questions": n_questions}
+        failed = []
         try:
-            report = run(
-                exports[lora], fx.checkpoint, fx.base, args.case, None, args.device, dtype, mode, fx.pins, None,
-                args.tolerances or tolerances.DEFAULT_PATH, args.threads, out / "reference-cache",
-                kernels=kernels, graphs=False if args.no_cuda_graphs else None, layout=layout,
-            )
-        except harness.UsageProblem as e:
-            print(f"error: {lora}/{dtype}/{mode}: {e}", file=sys.stderr)
-            return 2
-        name = f"{lora}-{dtype}-{mode}" + (f"-{kernels}" if kernels else "") + (f"-{layout}" if layout else "")
-        (out / "reports" / f"{name}.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        table = harness.table(report)
-        if report["verdict"] == "pass":
-            label = (f"[{kernels} kernels" + (f", {layout}" if layout else "") + "] ") if kernels else ""
-            print(label + table.splitlines()[-1] + f"  [{time.perf_counter() - t1:.1f} s]", flush=True)
-        else:
-            failed.append(name)
-            print(table, flush=True)
-        summary[name] = {"verdict": report["verdict"], **report["summary"], "tolerance": report["tolerance"], "reference_cached": report["reference"]["cached"]}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    total = time.perf_counter() - t0
+            runs = {}
+            for c in configs:  # each runtime run once, shared by every configuration that judges it
+                for key in [(c.lora, o) for o in needed_runs(gates[c], c.options).values()]:
+                    if key in runs:
+                        continue
+                    if deadline.expired(30):
+                        summary["skipped"].append(f"runtime {key[0]} {key[1].label()}")
+                        continue
+                    t1 = time.perf_counter()
+                    runs[key] = runtime_adapter.run(exports[key[0]], key[1], requests, threads=threads)
+                    _free_device_memory()
+                    _say(f"runtime {key[0]} {key[1].label()}: {len(requests)} requests in {time.perf_counter() - t1:.1f} s")
+            refs = {}
+            for d, job in jobs.items():
+                job.timeout = deadline.left()
+                refs[d] = job.wait()
+                _say(f"reference {d}: {refs[d].seconds:.1f} s{' (cached)' if refs[d].cached else ''}")
+        finally:
+            for job in jobs.values():
+                job.stop()
+        for lora, export in exports.items():
+            problems = harness.check_pins(json.loads(fx.pins.read_text()), harness.manifest_info(export)[0], refs["fp32"], fx.base)
+            if problems:
+                raise UsageProblem("; ".join(problems))
+
+        for c in configs:
+            needed = [(c.lora, o) for o in needed_runs(gates[c], c.options).values()]
+            if any(k not in runs for k in needed):
+                summary["configurations"][c.name] = {"verdict": "skipped"}
+                failed.append(c.name)
+                continue
+            report = evaluate_config(c, exports[c.lora], fx, requests, refs, gates[c], runs, threads)
+            _write(out / "reports" / f"{c.name}.json", report)
+            summary["configurations"][c.name] = {"verdict": report["verdict"], "questions": report["summary"]["questions"],
+                                                 "summary": report["summary"], "bounds": report["bounds"], "distribution": report["distribution"],
+                                                 "dual": None if report["dual"] is None else {"verdict": report["dual"]["verdict"], "summary": report["dual"]["summary"], "bounds": report["dual"]["bounds"]}}
+            if report["verdict"] != "pass":
+                failed.append(c.name)
+                _say(table(report))
+            else:
+                _say(f"PASS {c.name}: {_errors(report)}; bound {report['bounds']['per_option']:.2e}"
+                     + ("" if report["dual"] is None else f"; dual {report['dual']['verdict'].upper()} (bound {report['dual']['bounds']['per_option']:.2e})"))
+        del runs
+        _free_device_memory()
+
+        if args.controls or args.only_controls:
+            for control in controls_mod.CONTROLS:
+                subset = controls_mod.subset(control, requests, args.control_requests)
+                for c in control_configs:
+                    if not control.exercised_by(c.lora, c.options):
+                        continue
+                    label = f"{control.name} / {c.name}"
+                    if deadline.expired(40):
+                        summary["skipped"].append(f"control {label}")
+                        failed.append(f"control {label} (skipped)")
+                        continue
+                    export = exports[c.lora]
+                    if control.damages_export:
+                        export = out / "controls" / f"{control.name}-{c.lora}"
+                        controls_mod.perturb_lora_element(exports[c.lora], export)
+                    t1 = time.perf_counter()
+                    report = run_control(control, c, export, fx, subset, refs, gates[c], threads, fail_fast=device != "cpu")
+                    _free_device_memory()
+                    _write(out / "reports" / "controls" / f"{control.name}-{c.name}.json", report)
+                    ok = report["verdict"] == "fail"
+                    summary["controls"][label] = {"verdict": report["verdict"], "expected": "fail", "first_problem": _first_problem(report)}
+                    _say(f"control {label}: gate {report['verdict'].upper()} ({'as expected' if ok else 'NOT CAUGHT'}; "
+                         f"{_first_problem(report)[:160]}) [{time.perf_counter() - t1:.1f} s]")
+                    if not ok:
+                        failed.append(f"control {label}")
+    except UsageProblem as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    total = time.perf_counter() - deadline.t0
+    summary["seconds"] = total
+    summary["failed"] = failed
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     if failed:
         print(f"parity gate FAILED: {', '.join(failed)} ({total:.1f} s); reports in {out / 'reports'}", file=sys.stderr)
         return 1
-    print(f"parity gate passed: {len(combos)} combinations, every built-in case ({total:.1f} s)")
+    print(f"parity gate passed: {len(configs)} configurations, {n_questions} questions"
+          + (f", {len(summary['controls'])} control runs failed as they must" if summary["controls"] else "") + f" ({total:.1f} s)")
     return 0
 
 
