@@ -124,30 +124,37 @@ def evaluate_config(config: Config, export: Path, fx, requests, refs, gate, runs
     return harness.evaluate(setup, requests, refs, gate, roles["main"], roles.get("fp32"), roles.get("anchor"))
 
 
-def run_control(control, config: Config, export: Path, fx, requests, refs, gate, threads, fail_fast: bool) -> dict:
-    """The gate of `config` with `control` applied, on `requests`; expected verdict: fail. With
-    fail_fast, a configuration with a dual check judges its fp32 run first and stops there when it
-    already fails (each run of a damaged compiled path costs a compile)."""
+def run_config(config: Config, export: Path, fx, requests, refs, gate, threads, fail_fast: bool = False) -> dict:
+    """Every run the gate of `config` needs, on `requests`, and its report. With fail_fast, a
+    configuration with a dual check judges its fp32 run first and stops there when that already
+    fails (the report is then the dual check's own)."""
     roles = needed_runs(gate, config.options)
     runs = {}
-    with control.applied():
-        if fail_fast and "fp32" in roles:
-            anchor = runtime_adapter.run(export, roles["anchor"], requests, threads=threads) if "anchor" in roles else None
-            fp32_run = runtime_adapter.run(export, roles["fp32"], requests, threads=threads)
-            setup = harness.Setup(export, fx.checkpoint, fx.base, roles["fp32"], threads=threads)
-            refs32 = {"bf16": refs["bf16"], "fp32": refs["fp32"] if anchor is None else harness.AnchorRun(refs["fp32"], anchor)}
-            report = harness.judge_run(setup, requests, refs32, gate.dual_gate, fp32_run,
-                                     compare.bf16_error(refs, [f"{c}/{n}" for c, n, _ in requests]))
-            if report["verdict"] == "fail":
-                report["note"] = "fail-fast: the dual check's fp32 run already failed; the bf16 run was not needed"
-                return report
-            runs[(config.lora, roles["fp32"])] = fp32_run
-            if anchor is not None:
-                runs[(config.lora, roles["anchor"])] = anchor
-        for role, options in roles.items():
-            if (config.lora, options) not in runs:
-                runs[(config.lora, options)] = runtime_adapter.run(export, options, requests, threads=threads)
+    if fail_fast and "fp32" in roles:
+        anchor = runtime_adapter.run(export, roles["anchor"], requests, threads=threads) if "anchor" in roles else None
+        fp32_run = runtime_adapter.run(export, roles["fp32"], requests, threads=threads)
+        setup = harness.Setup(export, fx.checkpoint, fx.base, roles["fp32"], threads=threads)
+        refs32 = {"bf16": refs["bf16"], "fp32": refs["fp32"] if anchor is None else harness.AnchorRun(refs["fp32"], anchor)}
+        report = harness.judge_run(setup, requests, refs32, gate.dual_gate, fp32_run,
+                                   compare.bf16_error(refs, [f"{c}/{n}" for c, n, _ in requests]))
+        if report["verdict"] == "fail":
+            report["note"] = "fail-fast: the dual check's fp32 run already failed; the main run was not needed"
+            return report
+        runs[(config.lora, roles["fp32"])] = fp32_run
+        if anchor is not None:
+            runs[(config.lora, roles["anchor"])] = anchor
+    for options in roles.values():
+        if (config.lora, options) not in runs:
+            runs[(config.lora, options)] = runtime_adapter.run(export, options, requests, threads=threads)
     return evaluate_config(config, export, fx, requests, refs, gate, runs, threads)
+
+
+def run_control(control, config: Config, export: Path, fx, requests, refs, gate, threads, fail_fast: bool) -> dict:
+    """The gate of `config` with `control` applied (`export`: the damaged copy for an export
+    control), on `requests`; expected verdict: fail. Every run loads a fresh engine (fresh CUDA
+    graphs); torch.compile's cache re-checks its guards, which a patched global function fails."""
+    with control.applied():
+        return run_config(config, export, fx, requests, refs, gate, threads, fail_fast)
 
 
 def _errors(report: dict) -> str:

@@ -143,7 +143,10 @@ def _text_state(kind: str, rng: random.Random):
     raise ValueError(kind)
 
 
-def _question(kind: str, rng: random.Random, grades: int) -> dict:
+CHOICE_COUNTS = (2, 3, 1, 4, 2, 5, 3)  # options per choice question, in turn
+
+
+def _question(kind: str, rng: random.Random, grades: int, options: int) -> dict:
     instructions = rng.choice(("Which option fits best?", "What should happen next?", "哪个选项最好？ Which is best?",
                                "How severe is it? 严重程度", "Is the condition met?", "Who is ahead?"))
     if kind == "noul":
@@ -151,8 +154,7 @@ def _question(kind: str, rng: random.Random, grades: int) -> dict:
     if kind == "score":
         criteria = [f"{rng.choice(GRADES)} {i}" for i in range(grades)]
         return {"type": "score", "instructions": instructions, "criteria": criteria}
-    count = rng.choice((1, 2, 2, 3, 3, 4, 5))
-    keys = rng.sample(CHOICE_KEYS, count)
+    keys = rng.sample(CHOICE_KEYS, options)
     return {"type": "choice", "instructions": instructions,
             "criteria": {k: (None if rng.random() < 0.15 else rng.choice(DESCRIPTIONS)) for k in keys}}
 
@@ -160,7 +162,7 @@ def _question(kind: str, rng: random.Random, grades: int) -> dict:
 def generate(seed: int = 0, questions: int = GPU_QUESTIONS) -> list[tuple[str, str, dict]]:
     """[(case, name, request)] with at least `questions` questions in total."""
     rng = random.Random(f"valen-parity-generator/{seed}")
-    out, total, q_index, grade_index = [], 0, 0, 0
+    out, total, q_index, grade_index, choice_index = [], 0, 0, 0, 0
     while total < questions:
         n = len(out)
         state_kind = STATE_KINDS[n % len(STATE_KINDS)]
@@ -171,9 +173,10 @@ def generate(seed: int = 0, questions: int = GPU_QUESTIONS) -> list[tuple[str, s
             kind = QUESTION_KINDS[q_index % len(QUESTION_KINDS)]
             q_index += 1
             grades = 2 + grade_index % 9  # 2..10 in turn
-            if kind == "score":
-                grade_index += 1
-            qs[f"q{j}_{kind}"] = _question(kind, rng, grades)
+            options = CHOICE_COUNTS[choice_index % len(CHOICE_COUNTS)]
+            grade_index += kind == "score"
+            choice_index += kind == "choice"
+            qs[f"q{j}_{kind}"] = _question(kind, rng, grades, options)
         case = "image" if state_kind in IMAGE_KINDS else "text"
         out.append((f"gen-{case}", f"{n:03d}-{state_kind}", {"model": MODEL, "state": state, "questions": qs}))
         total += count
