@@ -35,7 +35,7 @@ from . import compare, generator, harness, runtime_adapter, tolerances
 from . import controls as controls_mod
 from .cli import check_device, needed_runs, select_gate
 from .errors import UsageProblem
-from .reference_run import start_reference
+from .reference_run import start_reference, wait_for_cached
 from .report import table
 from .runtime_adapter import RuntimeOptions
 
@@ -124,37 +124,43 @@ def evaluate_config(config: Config, export: Path, fx, requests, refs, gate, runs
     return harness.evaluate(setup, requests, refs, gate, roles["main"], roles.get("fp32"), roles.get("anchor"))
 
 
-def run_config(config: Config, export: Path, fx, requests, refs, gate, threads, fail_fast: bool = False) -> dict:
-    """Every run the gate of `config` needs, on `requests`, and its report. With fail_fast, a
-    configuration with a dual check judges its fp32 run first and stops there when that already
-    fails (the report is then the dual check's own)."""
+def run_config(config: Config, export: Path, fx, requests, refs, gate, threads, fail_fast: bool = False, fp32_gate=None) -> dict:
+    """Every run the gate of `config` needs, on `requests`, and its report. With fail_fast (and
+    `fp32_gate`, the entry of the same combination in fp32), a configuration with a dual check goes
+    cheapest first and stops at the first failing part, whose report it returns: its fp32 run
+    against the references under `fp32_gate`, then against the module-path anchor (merged), then
+    the main run with everything."""
     roles = needed_runs(gate, config.options)
     runs = {}
     if fail_fast and "fp32" in roles:
-        anchor = runtime_adapter.run(export, roles["anchor"], requests, threads=threads) if "anchor" in roles else None
+        bf16_err = compare.bf16_error(refs, [f"{c}/{n}" for c, n, _ in requests])
         fp32_run = runtime_adapter.run(export, roles["fp32"], requests, threads=threads)
         setup = harness.Setup(export, fx.checkpoint, fx.base, roles["fp32"], threads=threads)
-        refs32 = {"bf16": refs["bf16"], "fp32": refs["fp32"] if anchor is None else harness.AnchorRun(refs["fp32"], anchor)}
-        report = harness.judge_run(setup, requests, refs32, gate.dual_gate, fp32_run,
-                                   compare.bf16_error(refs, [f"{c}/{n}" for c, n, _ in requests]))
-        if report["verdict"] == "fail":
-            report["note"] = "fail-fast: the dual check's fp32 run already failed; the main run was not needed"
-            return report
+        def anchored():
+            anchor = runs[(config.lora, roles["anchor"])] = runtime_adapter.run(export, roles["anchor"], requests, threads=threads)
+            return {"bf16": refs["bf16"], "fp32": harness.AnchorRun(refs["fp32"], anchor)}
+
+        steps = [(fp32_gate, lambda: {d: r for d, r in refs.items() if d != "fp64"}, "the fp32 run under its own entry")]
+        if "anchor" in roles:
+            steps.append((gate.dual_gate, anchored, "the fp32 run against the module path"))
+        for step_gate, step_refs, what in steps:
+            report = harness.judge_run(setup, requests, step_refs(), step_gate, fp32_run, bf16_err)
+            if report["verdict"] == "fail":
+                report["note"] = f"fail-fast: {what} already failed; the later parts did not run"
+                return report
         runs[(config.lora, roles["fp32"])] = fp32_run
-        if anchor is not None:
-            runs[(config.lora, roles["anchor"])] = anchor
     for options in roles.values():
         if (config.lora, options) not in runs:
             runs[(config.lora, options)] = runtime_adapter.run(export, options, requests, threads=threads)
     return evaluate_config(config, export, fx, requests, refs, gate, runs, threads)
 
 
-def run_control(control, config: Config, export: Path, fx, requests, refs, gate, threads, fail_fast: bool) -> dict:
+def run_control(control, config: Config, export: Path, fx, requests, refs, gate, threads, fail_fast: bool, fp32_gate=None) -> dict:
     """The gate of `config` with `control` applied (`export`: the damaged copy for an export
     control), on `requests`; expected verdict: fail. Every run loads a fresh engine (fresh CUDA
     graphs); torch.compile's cache re-checks its guards, which a patched global function fails."""
     with control.applied():
-        return run_config(config, export, fx, requests, refs, gate, threads, fail_fast)
+        return run_config(config, export, fx, requests, refs, gate, threads, fail_fast, fp32_gate)
 
 
 def _errors(report: dict) -> str:
@@ -190,6 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=None, help="reuse (or build once) the fixture and exports here instead of OUTDIR")
     ap.add_argument("--set", dest="request_set", choices=sorted(generator.SETS), default=None, help="generated request set (default: ci on the CPU, gpu on CUDA)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lora", choices=["separate", "merged"], default=None, help="only this export's configurations and controls (default: both)")
     ap.add_argument("--tolerances", type=Path, default=tolerances.DEFAULT_PATH)
     ap.add_argument("--threads", type=int, default=None, help="torch threads on both sides (default: 1 on the CPU, torch's default on CUDA)")
     ap.add_argument("--kernels", choices=runtime_adapter.KERNELS, default=None, help="CUDA: runtime kernels (default: the engine's choice)")
@@ -198,7 +205,11 @@ def main(argv=None) -> int:
     ap.add_argument("--controls", action="store_true", help="also run every negative control (each must fail)")
     ap.add_argument("--only-controls", action="store_true", help="run the negative controls only (no positive configurations)")
     ap.add_argument("--control-requests", type=int, default=4, help="requests per control run (default 4)")
+    ap.add_argument("--fail-fast", action="store_true", help="controls: stop each at its first failing part, fp32 first (always on CUDA, where each damaged compiled path costs a compile)")
+    ap.add_argument("--reference-cache", type=Path, default=None, help="reference results cache (default OUTDIR/reference-cache)")
     ap.add_argument("--reference-shards", type=int, default=1, help="reference processes per dtype (default 1)")
+    ap.add_argument("--wait-for-references", type=float, default=None, metavar="SECONDS",
+                    help="start no reference process: wait up to SECONDS for another gate process (same arguments, same cache) to fill the cache")
     ap.add_argument("--budget", type=float, default=None, help="seconds; work not started in time is skipped (and the gate fails)")
     args = ap.parse_args(argv)
 
@@ -209,20 +220,30 @@ def main(argv=None) -> int:
     if out.exists():
         shutil.rmtree(out)
     (out / "reports").mkdir(parents=True)
+    cache = args.reference_cache or out / "reference-cache"
     try:
         check_device(args.device)
         fx, exports = build_inputs(out, args.work, args.preset)
         _say(f"fixture ({args.preset}) and exports ready at {time.perf_counter() - deadline.t0:.1f} s")
         requests = generator.SETS[args.request_set or ("ci" if device == "cpu" else "gpu")](args.seed)
         n_questions = sum(len(r["questions"]) for *_, r in requests)
-        configs = [] if args.only_controls else configurations(args.device, args.kernels, False if args.no_cuda_graphs else None)
-        control_configs = configurations(args.device, args.kernels, False if args.no_cuda_graphs else None)
-        gates = {c: select_gate(args.tolerances, c.lora, c.options) for c in control_configs}
-        dtypes = sorted({d for c in control_configs for d in harness.reference_dtypes(gates[c], device, not args.no_fp64)})
+        every = configurations(args.device, args.kernels, False if args.no_cuda_graphs else None)
+        every = [c for c in every if args.lora in (None, c.lora)]
+        configs = [] if args.only_controls else every
+        # Controls run in the configurations the device gates by default (on CUDA not the anchor's).
+        control_configs = [c for c in every if device == "cpu" or c.options.dtype == "bf16"]
+        gates = {c: select_gate(args.tolerances, c.lora, c.options) for c in every}
+        fp32_gates = {c: select_gate(args.tolerances, c.lora, c.options.with_dtype("fp32")) for c in every}
+        # Every dtype any gate of the device needs, so that gate processes of either export share one cache.
+        all_configs = configurations(args.device, args.kernels, False if args.no_cuda_graphs else None)
+        dtypes = sorted({d for c in all_configs for d in harness.reference_dtypes(select_gate(args.tolerances, c.lora, c.options), device, not args.no_fp64)})
         ids = [(f"{c}/{n}", r) for c, n, r in requests]
-        jobs = {d: start_reference(fx.checkpoint, fx.base, ids, device=args.device, dtype=d, threads=threads,
-                                   cache_dir=out / "reference-cache", shards=args.reference_shards) for d in dtypes}
-        _say(f"{len(requests)} requests, {n_questions} questions; reference processes started: {', '.join(dtypes)} x {args.reference_shards}")
+        jobs = {}
+        if args.wait_for_references is None:
+            jobs = {d: start_reference(fx.checkpoint, fx.base, ids, device=args.device, dtype=d, threads=threads,
+                                       cache_dir=cache, shards=args.reference_shards) for d in dtypes}
+        _say(f"{len(requests)} requests, {n_questions} questions; references {', '.join(dtypes)}: "
+             + ("started" if jobs else "awaited in the cache") + f" ({args.reference_shards} process(es) each)")
         summary = {"configurations": {}, "controls": {}, "skipped": [], "requests": len(requests), "questions": n_questions}
         failed = []
         try:
@@ -239,14 +260,19 @@ def main(argv=None) -> int:
                     _free_device_memory()
                     _say(f"runtime {key[0]} {key[1].label()}: {len(requests)} requests in {time.perf_counter() - t1:.1f} s")
             refs = {}
-            for d, job in jobs.items():
-                job.timeout = deadline.left()
-                refs[d] = job.wait()
-                _say(f"reference {d}: {refs[d].seconds:.1f} s{' (cached)' if refs[d].cached else ''}")
+            for d in dtypes:
+                left = deadline.left()
+                if d in jobs:
+                    jobs[d].timeout = left
+                    refs[d] = jobs[d].wait()
+                else:
+                    refs[d] = wait_for_cached(fx.checkpoint, fx.base, ids, args.device, d, cache, left if left is not None else args.wait_for_references,
+                                              threads=threads, shards=args.reference_shards)
+                _say(f"reference {d}: {refs[d].seconds:.1f} s{' (cached)' if refs[d].cached else ''} at {time.perf_counter() - deadline.t0:.1f} s")
         finally:
             for job in jobs.values():
                 job.stop()
-        for lora, export in exports.items():
+        for export in exports.values():
             problems = harness.check_pins(json.loads(fx.pins.read_text()), harness.manifest_info(export)[0], refs["fp32"], fx.base)
             if problems:
                 raise UsageProblem("; ".join(problems))
@@ -259,15 +285,15 @@ def main(argv=None) -> int:
                 continue
             report = evaluate_config(c, exports[c.lora], fx, requests, refs, gates[c], runs, threads)
             _write(out / "reports" / f"{c.name}.json", report)
-            summary["configurations"][c.name] = {"verdict": report["verdict"], "questions": report["summary"]["questions"],
-                                                 "summary": report["summary"], "bounds": report["bounds"], "distribution": report["distribution"],
+            summary["configurations"][c.name] = {"verdict": report["verdict"], "summary": report["summary"], "bounds": report["bounds"],
+                                                 "distribution": report["distribution"], "dual_note": report.get("dual_note"),
                                                  "dual": None if report["dual"] is None else {"verdict": report["dual"]["verdict"], "summary": report["dual"]["summary"], "bounds": report["dual"]["bounds"]}}
             if report["verdict"] != "pass":
                 failed.append(c.name)
                 _say(table(report))
             else:
                 _say(f"PASS {c.name}: {_errors(report)}; bound {report['bounds']['per_option']:.2e}"
-                     + ("" if report["dual"] is None else f"; dual {report['dual']['verdict'].upper()} (bound {report['dual']['bounds']['per_option']:.2e})"))
+                     + ("" if report["dual"] is None else f"; dual PASS rt-vs-anchor {report['dual']['summary']['errors']['runtime_vs_reference']['max']:.2e} <= {report['dual']['bounds']['per_option']:.2e}"))
         del runs
         _free_device_memory()
 
@@ -287,11 +313,13 @@ def main(argv=None) -> int:
                         export = out / "controls" / f"{control.name}-{c.lora}"
                         controls_mod.perturb_lora_element(exports[c.lora], export)
                     t1 = time.perf_counter()
-                    report = run_control(control, c, export, fx, subset, refs, gates[c], threads, fail_fast=device != "cpu")
+                    report = run_control(control, c, export, fx, subset, refs, gates[c], threads, fail_fast=args.fail_fast or device != "cpu", fp32_gate=fp32_gates[c])
                     _free_device_memory()
+                    if control.damages_export:
+                        shutil.rmtree(export, ignore_errors=True)
                     _write(out / "reports" / "controls" / f"{control.name}-{c.name}.json", report)
                     ok = report["verdict"] == "fail"
-                    summary["controls"][label] = {"verdict": report["verdict"], "expected": "fail", "first_problem": _first_problem(report)}
+                    summary["controls"][label] = {"verdict": report["verdict"], "expected": "fail", "first_problem": _first_problem(report), "note": report.get("note")}
                     _say(f"control {label}: gate {report['verdict'].upper()} ({'as expected' if ok else 'NOT CAUGHT'}; "
                          f"{_first_problem(report)[:160]}) [{time.perf_counter() - t1:.1f} s]")
                     if not ok:

@@ -151,6 +151,8 @@ def judge_run(setup: Setup, requests, refs: dict, gate: Gate, runtime: RuntimeRu
         bounds = compare.gate_bounds(gate, bf16_err)
     except ValueError as e:
         raise UsageProblem(str(e)) from None
+    if isinstance(refs.get("fp32"), AnchorRun):
+        bounds["judged"] = "runtime vs the module-path anchor"
     distribution = compare.judge(gate, entries, bounds, requested)
     truth = report.truth_dtype(requested, list(refs))
     report.add_error_columns(entries, requested, truth)

@@ -135,8 +135,13 @@ class ReferenceJob:
             if self.cache_dir is not None:
                 dest = Path(self.cache_dir) / shard.key
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                if not dest.exists():
-                    shutil.copytree(shard.out, dest)
+                if not dest.exists():  # complete or absent for a reader: copied aside, then renamed
+                    partial = Path(tempfile.mkdtemp(prefix=f".{shard.key}-", dir=dest.parent))
+                    shutil.copytree(shard.out, partial, dirs_exist_ok=True)
+                    try:
+                        partial.rename(dest)
+                    except OSError:  # another process got there first
+                        shutil.rmtree(partial, ignore_errors=True)
                 shutil.rmtree(shard.out, ignore_errors=True)
                 directory = dest
             shard.data = _read_results(directory, shard.requests)
@@ -203,6 +208,34 @@ def start_reference(
         shard.started = time.perf_counter()
         out.append(shard)
     return ReferenceJob(dtype, out, cache_dir, timeout)
+
+
+def wait_for_cached(
+    checkpoint: Path,
+    base: Path,
+    requests: list[tuple[str, dict]],
+    device: str,
+    dtype: str,
+    cache_dir: Path,
+    timeout: float,
+    threads: int | None = None,
+    shards: int = 1,
+    valen_source: str | None = None,
+) -> ReferenceRun:
+    """The results another process is computing with the same arguments (`start_reference` with
+    this cache_dir), once they are in the cache; UsageProblem after `timeout` seconds."""
+    checkpoint, base = Path(checkpoint), Path(base)
+    shards = max(1, min(shards, len(requests)))
+    size = -(-len(requests) // shards)
+    parts = [requests[i : i + size] for i in range(0, len(requests), size)]
+    keys = [cache_key(checkpoint, base, device, dtype, part, valen_source, threads) for part in parts]
+    t0 = time.perf_counter()
+    while not all((Path(cache_dir) / k / "reference.json").is_file() for k in keys):
+        if time.perf_counter() - t0 > timeout:
+            raise UsageProblem(f"reference results ({dtype}) did not appear in {cache_dir} within {timeout:.0f} s")
+        time.sleep(2.0)
+    return start_reference(checkpoint, base, requests, device=device, dtype=dtype, valen_source=valen_source, threads=threads,
+                           cache_dir=cache_dir, shards=shards).wait()
 
 
 def run_reference(checkpoint: Path, base: Path, requests: list[tuple[str, dict]], **options) -> ReferenceRun:

@@ -9,7 +9,8 @@ harness reports every metric and fails only on these. Layout (schema `valen-pari
         "exact":          {"max_abs_dp": 1e-6, "decision_margin_factor": 2, "why": {...}},
         "fp32-rounding":  {"factor": 128, "floor": 1e-6, "decision_margin_factor": 2, "why": {...}},
         "truth-relative": {"a": 2, "b": 0.01, "margin_floor": 0.05, "margin_factor": 2,
-                           "z": 3, "distribution_additive": 0.001, "min_questions": 20, "why": {...}}},
+                           "z": 3, "p95_spread": 1.45, "distribution_additive": 0.001, "min_questions": 100,
+                           "why": {...}}},
      "checks": {"pixel_values_max_abs": 0, "rotary_max_abs": 0,
                 "answer_formula_max_abs": {"cpu": 0, "cuda": 1e-6}, "why": {...}},
      "entries": [{"lora": "separate", "dtype": "bf16", "device": "cuda", "mode": "shared-prefix",
@@ -28,8 +29,8 @@ What the gates mean (the harness applies them in `parity.compare`; every compari
   E_bf16's kind the path carries (1: bf16 compute, or the merged weights alone; 2: both);
   decisions equal the truth's wherever its margin >= max(margin_floor, margin_factor * Y); with at
   least min_questions questions, the mean and the p95 over questions of the runtime's largest
-  error are each <= f * sqrt(roundings) * the bf16 reference's + distribution_additive,
-  f = 1 + z * sqrt(2 / questions).
+  error are each <= f * sqrt(roundings) * the bf16 reference's + distribution_additive, with
+  f = 1 + z * s * sqrt(2 / questions), s = 1 for the mean and p95_spread for the p95.
 - dual (shared-prefix entries): the fp32 run of the same runtime options (the run itself for an
   fp32 entry) must also pass the fp32-rounding gate against an exact anchor: "reference", the fp32
   reference (separate LoRA); "module-path", the runtime's fp32 shared-prefix run with the PyTorch
@@ -58,7 +59,7 @@ AXES = {
 GATE_PARAMETERS = {
     "exact": ("max_abs_dp", "decision_margin_factor"),
     "fp32-rounding": ("factor", "floor", "decision_margin_factor"),
-    "truth-relative": ("a", "b", "margin_floor", "margin_factor", "z", "distribution_additive", "min_questions"),
+    "truth-relative": ("a", "b", "margin_floor", "margin_factor", "z", "p95_spread", "distribution_additive", "min_questions"),
 }
 CHECK_NUMBERS = ("pixel_values_max_abs", "rotary_max_abs")
 ENTRY_KEYS = tuple(AXES) + ("gate", "dual", "why")

@@ -84,6 +84,21 @@ def test_control_fails_the_gate(control, config, tiny_fixture, tiny_export, cont
         assert s["token_ids_equal"] == s["rotary_equal"] == s["requests"]
 
 
+@pytest.mark.parametrize("lora, anchor_step", [("separate", False), ("merged", True)])
+def test_fail_fast_stops_at_the_fp32_part_that_fails(lora, anchor_step, tiny_fixture, tiny_export, control_requests, references):
+    # What the GPU gate does (each damaged compiled path costs a compile there): the fp32 run
+    # under its own entry first; for a merged export, whose fp32 entry is loose, then the anchor.
+    config = next(g for g in CONFIGS if g.lora == lora and g.options.dtype == "bf16" and g.options.kernels == "fast")
+    control = controls.BY_NAME["l2norm-dtype"]
+    fp32_gate = tolerances.select(tolerances.load(), lora, "fp32", "cpu", "shared-prefix")
+    requests = controls.subset(control, control_requests, CONTROL_REQUESTS)
+    report = gate.run_control(control, config, tiny_export[lora], tiny_fixture, requests, references, _gate(config), THREADS,
+                              fail_fast=True, fp32_gate=fp32_gate)
+    assert report["verdict"] == "fail" and report["setup"]["dtype"] == "fp32"
+    assert ("against the module path" in report["note"]) is anchor_step
+    assert report["gate"]["gate"] == "fp32-rounding"
+
+
 def test_every_control_has_a_configuration_and_requests(control_requests):
     for control in controls.CONTROLS:
         assert any(c is control for c, _ in CASES), control.name

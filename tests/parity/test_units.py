@@ -92,6 +92,7 @@ def test_bounds_follow_the_declared_formulas():
     with pytest.raises(ValueError, match="E_bf16"):
         compare.gate_bounds(tr, None)
     assert compare.distribution_factor(tr, 200) == 1 + tr["z"] * math.sqrt(2 / 200)
+    assert compare.distribution_factor(tr, 200, tr["p95_spread"]) == 1 + tr["z"] * tr["p95_spread"] * math.sqrt(2 / 200)
 
 
 def _question(p_runtime, p_against, keys=None, against="bf16"):
@@ -132,7 +133,7 @@ def test_distribution_rule_at_its_bound(monkeypatch):
     gate = _gate()
     n = int(gate["min_questions"])
     # Factor 1, no additive term: the bound is the reference's statistic itself, exactly.
-    monkeypatch.setattr(compare, "distribution_factor", lambda g, questions: 1.0)
+    monkeypatch.setattr(compare, "distribution_factor", lambda g, questions, spread=1.0: 1.0)
     gate = dataclasses.replace(gate, params=dict(gate.params, distribution_additive=0.0))
 
     def entries(runtime_p0):
@@ -145,9 +146,9 @@ def test_distribution_rule_at_its_bound(monkeypatch):
     assert at["applied"] and at["ok"] and at["mean"]["runtime"] == at["mean"]["bound"] == 0.25 == at["p95"]["bound"]
     above = compare.distribution(gate, entries(NEXT_UP(0.75, 1.0)))
     assert not above["ok"] and len(above["problems"]) == 2  # mean and p95
-    small = [{"case": "c", "name": "0", "checks": {}, "problems": [], "questions": [_question([0.5, 0.5], [0.5, 0.5])]}]
-    assert compare.distribution(gate, small) == {"applied": False, "questions": 1, "min_questions": gate["min_questions"],
-                                                 "why": f"1 questions < {gate['min_questions']}: too few for a distribution"}
+    few = compare.distribution(gate, entries(NEXT_UP(0.75, 1.0))[: n - 1])
+    assert not few["applied"] and "ok" not in few and not few["problems"]  # reported, not gated
+    assert few["mean"]["ok"] is False and "not gated" in few["why"]
 
 
 def test_tensor_and_rotary_checks_at_their_bound():
