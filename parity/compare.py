@@ -331,4 +331,9 @@ def distribution(gate: Gate, entries: list[dict]) -> dict:
         out["ok"] = not out["problems"]
     else:
         out["why"] = f"{n} questions < {gate['min_questions']}: the statistics are reported, not gated"
+    # For the record, not a rule: options where the runtime's error exceeds a x the reference's own
+    # error on that same option + b (two independent roundings of one size exceed 2x each other
+    # about 30% of the time, which is why the rule scales with the set's E_bf16 instead).
+    pairs = [(r, s_) for q in qs for r, s_ in zip(abs_errors(q["p"]["runtime"], q["p"]["fp32"]), abs_errors(q["p"]["bf16"], q["p"]["fp32"]))]
+    out["paired"] = {"options": len(pairs), "over": sum(1 for r, s_ in pairs if r > gate["a"] * scale * s_ + gate["b"])}
     return out

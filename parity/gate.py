@@ -293,7 +293,7 @@ def main(argv=None) -> int:
                 _say(table(report))
             else:
                 _say(f"PASS {c.name}: {_errors(report)}; bound {report['bounds']['per_option']:.2e}"
-                     + ("" if report["dual"] is None else f"; dual PASS rt-vs-anchor {report['dual']['summary']['errors']['runtime_vs_reference']['max']:.2e} <= {report['dual']['bounds']['per_option']:.2e}"))
+                     + ("" if report["dual"] is None else f"; dual PASS ({report['dual']['bounds']['judged']}) {report['dual']['summary']['max_judged_error']:.2e} <= {report['dual']['bounds']['per_option']:.2e}"))
         del runs
         _free_device_memory()
 

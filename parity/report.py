@@ -60,7 +60,8 @@ def summary(entries: list[dict]) -> dict:
         "questions": len(qs),
         "failed_requests": sum(1 for e in entries if e["verdict"] != "pass"),
         "failed_questions": sum(1 for e in entries for q in e["questions"] if q.get("verdict") != "pass"),
-        "errors": {k: _stats([q["errors"][k] for q in qs]) for k in ERRORS},
+        # over questions with two or more candidates (one candidate: p = 1 on every side)
+        "errors": {k: _stats([q["errors"][k] for q in qs if len(q["keys"]) > 1]) for k in ERRORS},
         "max_judged_error": _max(q.get("judged_error") for q in qs),
         "max_abs_dlogit": _max(q["max_abs_dlogit"] for q in qs),
         "max_abs_dconfidence": _max(q["abs_dconfidence"] for q in qs),
