@@ -68,7 +68,7 @@ def text(data: dict, label: str) -> str:
 
 def markdown(all_rows: list[dict]) -> str:
     head = ("| configuration | questions | ref vs truth max / mean / p95 | runtime vs truth max / mean / p95 | runtime vs ref max | gate bound | "
-            "decisions (gated) | dual: runtime vs anchor / bound | verdict |")
+            "decisions agree (where gated) | dual: fp32 run vs its anchor / bound | verdict |")
     lines = [head, "| " + " | ".join(["---"] * 9) + " |"]
     for r in all_rows:
         if r["verdict"] == "skipped":
