@@ -12,7 +12,9 @@
 #   4. valen-parity on the 2b preset: bf16 per-branch and shared-prefix, fp32 per-branch, both LoRA modes.
 #   gate: the parity gate on the 2b preset (docs/parity.md): the generated 210-question set in the
 #      default CUDA configuration for both exports with their fp32 dual checks, and every negative
-#      control (each must fail); the truth-relative GPU tests beside it. Alone: STEPS=gate (~6-7 min).
+#      control (each must fail); the truth-relative GPU tests beside it. Alone: STEPS=gate, about 8 min
+#      within the default BUDGET=560 (work not started in time is skipped and reported; GATE_SHARDS,
+#      GATE_ARGS adjust it).
 set -uo pipefail
 FINAL=${OUT:-/tmp/valen-gpu-out}
 OUT=/tmp/valen-gpu-results  # many small files; packed into one archive at the end ($OUT takes 8 files)
@@ -103,3 +105,4 @@ fi
 ls -la "$OUT"
 tar -czf "$FINAL/gpu-results.tar.gz" -C "$OUT" .
 cp "$OUT/latency.json" "$FINAL/" 2>/dev/null || true
+cp "$OUT/gate-summary.txt" "$FINAL/" 2>/dev/null || true

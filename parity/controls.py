@@ -43,7 +43,11 @@ def perturb_lora_element(src: Path, dst: Path, name_part: str = LORA_TENSOR, del
     src, dst = Path(src), Path(dst)
     if dst.exists():
         shutil.rmtree(dst)
-    shutil.copytree(src, dst, copy_function=os.link)
+    try:
+        shutil.copytree(src, dst, copy_function=os.link)
+    except OSError:  # another file system: copy
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst)
     path = dst / "adapter_model.safetensors"
     data = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", data[:8])

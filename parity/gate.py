@@ -310,7 +310,7 @@ def main(argv=None) -> int:
                         continue
                     export = exports[c.lora]
                     if control.damages_export:
-                        export = out / "controls" / f"{control.name}-{c.lora}"
+                        export = exports[c.lora].parent / f"control-{control.name}-{c.lora}"  # beside it: hard links
                         controls_mod.perturb_lora_element(exports[c.lora], export)
                     t1 = time.perf_counter()
                     report = run_control(control, c, export, fx, subset, refs, gates[c], threads, fail_fast=args.fail_fast or device != "cpu", fp32_gate=fp32_gates[c])

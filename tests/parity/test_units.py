@@ -325,3 +325,34 @@ def test_valen_source_prompt_record_equals_the_rebuilt_one():
         media=[dict(media[0], sampling={"fps": 2})],  # Valen's sampling note is not part of the record
     )
     assert valen_source._Prompt(compiled, im_start).to_json() == ref.to_json()
+
+
+# ---------------------------------------------------------------- the gate's plan (no model)
+
+
+def test_gate_plans_each_runtime_run_once_per_device():
+    from parity.cli import needed_runs
+    from parity.gate import configurations
+    from parity.runtime_adapter import RuntimeOptions, module_path_options
+
+    gates = load_tolerances()
+
+    def gate_of(c):
+        return next(g for g in gates if g.key == (c.lora, c.options.dtype, c.options.device, c.options.mode))
+
+    cuda = configurations("cuda")
+    assert [(c.lora, c.options) for c in cuda] == [
+        ("separate", RuntimeOptions("cuda", "bf16", "shared-prefix")),
+        ("merged", RuntimeOptions("cuda", "bf16", "shared-prefix")),
+        ("merged", module_path_options(RuntimeOptions("cuda"))),
+    ]
+    runs = {(c.lora, o) for c in cuda for o in needed_runs(gate_of(c), c.options).values()}
+    # separate: the default in bf16 and fp32; merged: the same plus the module-path anchor (judged too)
+    assert runs == {("separate", RuntimeOptions("cuda", "bf16", "shared-prefix")), ("separate", RuntimeOptions("cuda", "fp32", "shared-prefix")),
+                    ("merged", RuntimeOptions("cuda", "bf16", "shared-prefix")), ("merged", RuntimeOptions("cuda", "fp32", "shared-prefix")),
+                    ("merged", RuntimeOptions("cuda", "fp32", "shared-prefix", kernels="torch", graphs=False))}
+    cpu = configurations("cpu")
+    assert len(cpu) == 12 and len({(c.lora, c.options) for c in cpu}) == 12
+    # On the CPU every dual run and anchor is one of the configurations' own runs.
+    own = {(c.lora, c.options) for c in cpu}
+    assert {(c.lora, o) for c in cpu for o in needed_runs(gate_of(c), c.options).values()} == own
