@@ -42,7 +42,7 @@ test-fast: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow" tests
 
-# The CI parity gate: tiny fixture, both LoRA modes, fp32 and bf16, every built-in case.
+# The CI parity gate: tiny fixture, both LoRA modes x fp32/bf16 x per-branch, shared-prefix and the fast kernels, the generated CI set (docs/parity.md).
 parity-gate: $(STAMP)
 	$(BIN)/python -m parity.gate build/parity-gate
 

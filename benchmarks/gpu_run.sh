@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # Everything this project measures on the GPU machine, in one call (device tool; see README "GPU set-up"):
 #   run: bash benchmarks/gpu_run.sh   with carry [".whl"]; results land in $OUT.
-# Steps (STEPS="tests latency parity" by default; "profile" runs benchmarks/profile_fast.py; each
-# bounded so the call ends inside its 10-minute limit and writes what it has):
+# Steps (STEPS="tests latency parity" by default; "gate" runs the parity gate (below), "profile"
+# benchmarks/profile_fast.py; each bounded so the call ends inside its 10-minute limit and writes what it has):
 #   1. install the carried pinned stack into /tmp/site and fla-core into /tmp/site-fla (the
 #      reference's process drops the latter from PYTHONPATH and blocks the import),
 #   2. the gpu-marked tests (the fast path vs the reference modules, graphs vs direct execution;
 #      TESTS_ARGS adds pytest options, e.g. -k NAME),
 #   3. benchmarks/latency.py on the 2b preset (reference path vs runtime modes, one run; LATENCY_ARGS adds options, e.g. --skip-reference --only graphs),
 #   4. valen-parity on the 2b preset: bf16 per-branch and shared-prefix, fp32 per-branch, both LoRA modes.
+#   gate: the parity gate on the 2b preset (docs/parity.md): the generated 210-question set in the
+#      default CUDA configuration for both exports with their fp32 dual checks, and every negative
+#      control (each must fail); the truth-relative GPU tests beside it. Alone: STEPS=gate, about 8 min
+#      within the default BUDGET=560 (work not started in time is skipped and reported; GATE_SHARDS,
+#      GATE_ARGS adjust it).
 set -uo pipefail
 FINAL=${OUT:-/tmp/valen-gpu-out}
 OUT=/tmp/valen-gpu-results  # many small files; packed into one archive at the end ($OUT takes 8 files)
@@ -64,6 +69,29 @@ PY
     echo "parity $spec: exit $?"; tail -4 "$OUT/parity-$1-$2-$3.log"
   done
 fi
+if [[ " $STEPS " == *" gate "* ]]; then
+  # One gate process per export (each compiles its own fast-path variants; they share the GPU and
+  # one reference cache): the separate one starts the reference processes (bf16 and fp32, computed
+  # once for the whole set, GATE_SHARDS processes each), the merged one waits for their results in
+  # the cache. The fixture and exports are built first, once (both processes read them).
+  python3 -c "import sys; from pathlib import Path; from parity.gate import build_inputs; w = Path(sys.argv[1]); build_inputs(w, w, '2b')" "$WORK" \
+    > "$OUT/gate-build.log" 2>&1 || { echo "gate: fixture build failed"; tail -5 "$OUT/gate-build.log"; }
+  GATE_BUDGET=$(( $(left) - 30 ))
+  GATE_ARGS="--device cuda --preset 2b --work $WORK --controls --threads 4 --reference-cache $WORK/reference-cache --reference-shards ${GATE_SHARDS:-2} --budget $GATE_BUDGET ${GATE_ARGS:-}"
+  timeout $(cap ${TESTS_TIMEOUT:-420}) python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/valen_runtime/fast/test_model.py -k as_accurate > "$OUT/gate-tests.log" 2>&1 &
+  TESTS_PID=$!
+  timeout $(( GATE_BUDGET + 20 )) python3 -m parity.gate "$OUT/gate-separate" --lora separate $GATE_ARGS > "$OUT/gate-separate.log" 2>&1 &
+  SEP_PID=$!
+  timeout $(( GATE_BUDGET + 20 )) python3 -m parity.gate "$OUT/gate-merged" --lora merged --wait-for-references $GATE_BUDGET $GATE_ARGS > "$OUT/gate-merged.log" 2>&1 &
+  MERGED_PID=$!
+  wait $SEP_PID; SEP_RC=$?
+  wait $MERGED_PID; MERGED_RC=$?
+  wait $TESTS_PID; TESTS_RC=$?
+  python3 -m parity.summary "$OUT/gate-separate" "$OUT/gate-merged" --markdown > "$OUT/gate-summary.txt" 2>&1
+  cat "$OUT/gate-summary.txt"
+  grep -E "truth-relative:|passed|failed|error" "$OUT/gate-tests.log" | tail -8
+  echo "gate: separate exit $SEP_RC, merged exit $MERGED_RC (0 = every configuration passed and every control failed); truth-relative GPU tests exit $TESTS_RC"
+fi
 if [[ " $STEPS " == *" tests "* ]]; then
   # The files holding gpu-marked tests (the others import what this machine may lack, e.g. hypothesis).
   timeout $(cap ${TESTS_TIMEOUT:-300}) python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/fast tests/valen_runtime/test_engine.py \
@@ -74,3 +102,4 @@ fi
 ls -la "$OUT"
 tar -czf "$FINAL/gpu-results.tar.gz" -C "$OUT" .
 cp "$OUT/latency.json" "$FINAL/" 2>/dev/null || true
+cp "$OUT/gate-summary.txt" "$FINAL/" 2>/dev/null || true

@@ -1,9 +1,10 @@
-"""`valen-parity`: does the runtime on an export compute what the pinned Valen reference computes?
+"""`valen-parity`: does the runtime on an export compute what the pinned Valen reference computes,
+as measured against the truth (the reference in fp32)?
 
-Exit status: 0 every check passed, 1 a parity failure (numbers beyond the declared tolerance,
-token ids / usage / decisions differ, one side rejected a request the other accepted), 2 a usage
-error (bad paths, unreadable export, no tolerance declared, the reference could not be built);
-usage errors print one line, no traceback.
+Exit status: 0 every check passed, 1 a parity failure (numbers beyond the declared gate, token ids /
+usage / rotary tables / decisions differ, one side rejected a request the other accepted), 2 a
+usage error (bad paths, unreadable export, no tolerance declared, the reference could not be
+built); usage errors print one line, no traceback.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ from pathlib import Path
 import click
 
 from . import cases as cases_mod
-from valen_runtime.options import EngineOptions
-
-from . import harness, tolerances
+from . import generator, harness, runtime_adapter, tolerances
+from .errors import UsageProblem
+from .reference_run import start_reference
+from .runtime_adapter import EngineOptions
 
 
 def _read_requests(path: Path) -> list[tuple[str, str, dict]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise harness.UsageProblem(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+        raise UsageProblem(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -32,87 +34,109 @@ def _read_requests(path: Path) -> list[tuple[str, str, dict]]:
         try:
             req = json.loads(line)
         except ValueError as e:
-            raise harness.UsageProblem(f"{path}:{n}: not a JSON request ({e})") from None
+            raise UsageProblem(f"{path}:{n}: not a JSON request ({e})") from None
         if not isinstance(req, dict):
-            raise harness.UsageProblem(f"{path}:{n}: a request must be a JSON object")
+            raise UsageProblem(f"{path}:{n}: a request must be a JSON object")
         out.append(("requests", f"line{n}", req))
     if not out:
-        raise harness.UsageProblem(f"{path}: holds no request")
+        raise UsageProblem(f"{path}: holds no request")
     return out
+
+
+def select_gate(tolerances_path: Path, lora: str, options: EngineOptions) -> tolerances.Gate:
+    """The declared gate of the combination (exit 2 when the file is bad or has none)."""
+    try:
+        return tolerances.select(tolerances.load(tolerances_path), lora, options.dtype, options.device, options.mode)
+    except tolerances.ToleranceError as e:
+        raise UsageProblem(str(e)) from None
+
+
+def needed_runs(gate: tolerances.Gate, options: EngineOptions) -> dict[str, EngineOptions]:
+    """The runtime runs a gate judges: "main", and for a dual check "fp32" (the same options in
+    fp32, when the main run is bf16) and "anchor" (the module path, for a merged export)."""
+    runs = {"main": options}
+    if gate.dual is not None:
+        fp32 = runtime_adapter.with_dtype(options, "fp32")
+        if fp32 != options:
+            runs["fp32"] = fp32
+        if gate.dual == "module-path" and runtime_adapter.module_path_options(options) != fp32:
+            runs["anchor"] = runtime_adapter.module_path_options(options)
+    return runs
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise UsageProblem(f"--device {device}: expected cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageProblem(f"--device {device}: CUDA is not available here")
 
 
 def run(
     export: Path,
     checkpoint: Path,
     base: Path,
-    case: str | None,
-    requests_file: Path | None,
-    device: str,
-    dtype: str,
-    mode: str,
-    pins: Path | None,
-    valen_source: str | None,
-    tolerances_path: Path,
-    threads: int | None,
-    reference_cache: Path | None,
-    kernels: str | None = None,
-    graphs: bool | None = None,
+    requests: list[tuple[str, str, dict]],
+    options: EngineOptions,
+    pins: Path | None = None,
+    valen_source: str | None = None,
+    tolerances_path: Path = tolerances.DEFAULT_PATH,
+    threads: int | None = None,
+    reference_cache: Path | None = None,
+    fp64: bool | None = None,
+    reference_shards: int = 1,
 ) -> dict:
-    """The whole run; returns the report. Raises harness.UsageProblem for exit-2 problems."""
-    import torch
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise harness.UsageProblem(f"--device {device}: CUDA is not available here")
-    if device not in ("cpu",) and not device.startswith("cuda"):
-        raise harness.UsageProblem(f"--device {device}: expected cpu or cuda")
-    try:
-        options = EngineOptions(device=device, dtype=dtype, mode=mode, kernels=kernels, graphs=graphs)
-    except ValueError as e:
-        raise harness.UsageProblem(str(e)) from None
+    """One configuration (and its dual run, if its gate has one); returns the report. Raises
+    UsageProblem for exit-2 problems. The reference processes run while the runtime does."""
+    check_device(options.device)
     for path, opt in ((export, "--export"), (checkpoint, "--checkpoint"), (base, "--base")):
         if not path.is_dir():
-            raise harness.UsageProblem(f"{path}: {opt} must be an existing directory")
-    manifest, manifest_sha = harness.manifest_info(export)
-    try:
-        entries = tolerances.load(tolerances_path)
-        tol = tolerances.select(entries, manifest["lora"]["mode"], dtype, device, mode)
-    except tolerances.ToleranceError as e:
-        raise harness.UsageProblem(str(e)) from None
+            raise UsageProblem(f"{path}: {opt} must be an existing directory")
+    manifest, _ = harness.manifest_info(export)
+    gate = select_gate(tolerances_path, manifest["lora"]["mode"], options)
     pins_data = None
     if pins is not None:
         try:
             pins_data = json.loads(pins.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise harness.UsageProblem(f"{pins}: cannot read the pins file ({getattr(e, 'strerror', None) or e})") from None
+            raise UsageProblem(f"{pins}: cannot read the pins file ({getattr(e, 'strerror', None) or e})") from None
     if valen_source is not None:
         from . import valen_source as vs
 
         try:
             vs.check_checkout(valen_source)
         except vs.ValenSourceError as e:
-            raise harness.UsageProblem(str(e)) from None
+            raise UsageProblem(str(e)) from None
+    if not requests:
+        raise UsageProblem("nothing to run: give --case, --generated and/or --requests")
+    fp64 = options.device == "cpu" and valen_source is None if fp64 is None else fp64
+    dtypes = harness.reference_dtypes(gate, options.device.split(":")[0], fp64)
+    ids = [(f"{c}/{n}", r) for c, n, r in requests]
+    jobs = {d: start_reference(checkpoint, base, ids, device=options.device, dtype=d, valen_source=valen_source, threads=threads,
+                               cache_dir=reference_cache, shards=reference_shards) for d in dtypes}
+    try:
+        runs = {role: runtime_adapter.run(export, o, requests, threads=threads) for role, o in needed_runs(gate, options).items()}
+        refs = {d: job.wait() for d, job in jobs.items()}
+    finally:
+        for job in jobs.values():
+            job.stop()
+    problems = harness.check_pins(pins_data, manifest, refs["fp32"], base)
+    if problems:
+        raise UsageProblem("; ".join(problems))
+    setup = harness.Setup(export, checkpoint, base, options, valen_source, threads)
+    return harness.evaluate(setup, requests, refs, gate, runs["main"], runs.get("fp32"), runs.get("anchor"))
+
+
+def collect_requests(case: str | None, generated: str | None, seed: int, requests_file: Path | None) -> list[tuple[str, str, dict]]:
     todo = []
     if case:
         todo += cases_mod.cases(case)
+    if generated:
+        todo += generator.SETS[generated](seed)
     if requests_file is not None:
         todo += _read_requests(requests_file)
-    if not todo:
-        raise harness.UsageProblem("nothing to run: give --case and/or --requests")
-    ref = harness.run_reference(
-        checkpoint, base, [(f"{c}/{n}", r) for c, n, r in todo], device=device, dtype=dtype,
-        valen_source=valen_source, threads=threads, cache_dir=reference_cache,
-    )
-    problems = harness.check_pins(pins_data, manifest, ref, base)
-    if problems:
-        raise harness.UsageProblem("; ".join(problems))
-    setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads, options)
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        return harness.evaluate(setup, todo, ref, tol, manifest, manifest_sha)
-    finally:
-        torch.set_num_threads(previous)
+    return todo
 
 
 @click.command(name="valen-parity")
@@ -120,6 +144,8 @@ def run(
 @click.option("--checkpoint", required=True, type=click.Path(path_type=Path), help="Valen training checkpoint folder (config.json + checkpoint.pt).")
 @click.option("--base", required=True, type=click.Path(path_type=Path), help="Qwen3.5 base folder the checkpoint was trained on.")
 @click.option("--case", type=click.Choice(list(cases_mod.CASE_NAMES) + ["all"]), default=None, help="Built-in cases to run.")
+@click.option("--generated", type=click.Choice(sorted(generator.SETS)), default=None, help="A generated request set: ci (40 questions) or gpu (210).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated set.")
 @click.option("--requests", "requests_file", type=click.Path(path_type=Path), default=None, help="JSONL file, one wire request per line.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda (both sides).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
@@ -127,26 +153,34 @@ def run(
 @click.option("--pins", type=click.Path(path_type=Path), default=None, help="Pins file: checkpoint.pt sha256 and base revision must match it.")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), default=None, help="Write the JSON report here.")
 @click.option("--valen-source", type=click.Path(path_type=str), default=None, help="A Liuziyu77/Valen checkout at the pinned commit: use its own builder, loader and compiler as the reference.")
-@click.option("--tolerances", "tolerances_path", type=click.Path(path_type=Path), default=tolerances.DEFAULT_PATH, show_default=True, help="Declared tolerances.")
+@click.option("--tolerances", "tolerances_path", type=click.Path(path_type=Path), default=tolerances.DEFAULT_PATH, show_default=True, help="Declared gates.")
 @click.option("--threads", type=int, default=None, help="torch threads on both sides (default: torch's default).")
-@click.option("--kernels", type=click.Choice(["torch", "fast"]), default=None, help="Runtime kernels: the reference modules or the fast path (default: the engine's choice: fast for CUDA shared-prefix, else torch).")
+@click.option("--kernels", type=click.Choice(runtime_adapter.KERNELS), default=None, help="Runtime kernels: the reference modules (torch) or the fast path (default: the engine's choice: fast for CUDA shared-prefix, else torch).")
 @click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=None, help="Runtime CUDA-graph replay (default: the engine's choice: on for CUDA shared-prefix).")
+@click.option("--fp64/--no-fp64", default=None, help="Also run the reference in fp64 as the truth of fp32 runs (default: on for the CPU; memory: twice the fp32 reference).")
 @click.option("--reference-cache", type=click.Path(path_type=Path), default=None, help="Reuse reference results across runs (keyed by checkpoint/base/requests/dtype/device hashes).")
-def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, report_path, valen_source, tolerances_path, threads, kernels, graphs, reference_cache):
-    """Compare the runtime on EXPORT with the Valen reference rebuilt from CHECKPOINT + BASE.
+@click.option("--reference-shards", type=int, default=1, show_default=True, help="Reference processes per dtype (they share the device).")
+def main(export, checkpoint, base, case, generated, seed, requests_file, device, dtype, mode, pins, report_path, valen_source, tolerances_path,
+         threads, kernels, graphs, fp64, reference_cache, reference_shards):
+    """Compare the runtime on EXPORT with the Valen reference rebuilt from CHECKPOINT + BASE, and both with the truth.
 
     \b
     Example:
-      valen-parity --export build/export --checkpoint ckpt --base qwen --case all --dtype fp32 --report r.json
+      valen-parity --export build/export --checkpoint ckpt --base qwen --generated ci --report r.json
     """
     try:
         if mode is None:
             mode = "shared-prefix" if str(device).startswith("cuda") else "per-branch"
-        report = run(export, checkpoint, base, case, requests_file, device, dtype, mode, pins, valen_source, tolerances_path, threads, reference_cache, kernels, graphs)
-    except harness.UsageProblem as e:
+        check_device(device)
+        options = runtime_adapter.runtime_options(device, dtype, mode, kernels, graphs)
+        todo = collect_requests(case, generated, seed, requests_file)
+        report = run(export, checkpoint, base, todo, options, pins, valen_source, tolerances_path, threads, reference_cache, fp64, reference_shards)
+    except UsageProblem as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    click.echo(harness.table(report))
+    from .report import table
+
+    click.echo(table(report))
     if report_path is not None:
         try:
             report_path.parent.mkdir(parents=True, exist_ok=True)

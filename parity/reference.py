@@ -142,7 +142,9 @@ def build_reference(checkpoint_dir: Path, base_dir: Path, device: str = "cpu", d
     config = json.loads((checkpoint_dir / "config.json").read_text(encoding="utf-8"))
     if config.get("stage") != "vision_top":
         raise ReferenceBuildError(f"{checkpoint_dir}/config.json: stage {config.get('stage')!r}; the Preview reference is vision_top")
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    # fp64 is the CPU gate's extra truth for fp32 runs; transformers still runs its norms, the delta
+    # rule and our FP32 head in fp32 inside it (docs/parity.md).
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}[dtype]
 
     container, info = Qwen3_5ForConditionalGeneration.from_pretrained(
         str(base_dir), dtype=torch_dtype, attn_implementation="eager", local_files_only=True, output_loading_info=True

@@ -6,11 +6,14 @@ imported, then TF32 matmul is switched off (PyTorch's default; cuDNN TF32 stays 
 default, as in the pinned environment: docs/valen-model.md), then the model is built once
 and every request of the job runs against it.
 
-Job file (JSON): {"checkpoint": dir, "base": dir, "device": "cpu"|"cuda", "dtype": "bf16"|"fp32",
+Job file (JSON): {"checkpoint": dir, "base": dir, "device": "cpu"|"cuda", "dtype": "bf16"|"fp32"|"fp64",
 "out": dir, "valen_source": dir|null, "threads": int|null, "requests": [{"id": str, "request": wire request}]}.
-Writes OUT/reference.json and one OUT/pixels-<n>.pt per image request (pixel_values, for the
-image-preprocessing comparison). Exit 0 when the model was built (per-request rejections are
-results), 3 when the reference itself could not be built (message on stderr, one line).
+Writes OUT/reference.json, one OUT/pixels-<n>.pt per image request (pixel_values, for the
+image-preprocessing comparison) and one OUT/rope-<n>.pt per request: the position ids the
+reference's text rotary embedding received for the request's first branch [3, T] and its cos / sin
+tables for them, recomputed in fp32 [2, T, R] (for the rotary comparison). Exit 0 when the model
+was built (per-request rejections are results), 3 when the reference itself could not be built
+(message on stderr, one line).
 """
 
 from __future__ import annotations
@@ -46,6 +49,33 @@ def _model_kernels(model) -> dict:
     return {"gated_delta_rule": sorted(fns), "gated_norm": sorted(norms), "attn_implementation": sorted(a for a in attn if a)}
 
 
+class RotaryCapture:
+    """Records the position ids the text rotary embedding is first called with after `reset()`."""
+
+    def __init__(self, model):
+        modules = [m for m in model.modules() if type(m).__name__.endswith("TextRotaryEmbedding")]
+        if len(modules) != 1:
+            raise RuntimeError(f"expected one text rotary embedding in the reference, found {len(modules)}")
+        self.module = modules[0]
+        self.positions = None
+        self.module.register_forward_pre_hook(self._record)
+
+    def _record(self, module, args):
+        if self.positions is None:
+            self.positions = args[1].detach().clone()  # [3, 1, T]
+
+    def reset(self) -> None:
+        self.positions = None
+
+    @torch.no_grad()
+    def tables(self) -> dict:
+        """{"positions": [3, T] int64, "tables": [2, T, R] fp32 (cos, sin)} on the CPU."""
+        pos = self.positions
+        probe = torch.zeros(1, dtype=torch.float32, device=pos.device)  # fp32 output whatever the model dtype
+        cos, sin = self.module(probe, pos)
+        return {"positions": pos[:, 0].cpu(), "tables": torch.stack([cos[0], sin[0]]).float().cpu()}
+
+
 def run_job(job: dict) -> dict:
     from parity import reference
     from parity.prompt import PromptError, ReferencePromptBuilder
@@ -75,6 +105,7 @@ def run_job(job: dict) -> dict:
     env["image_processor_backend"] = [c.__name__ for c in type(processor.image_processor).__mro__ if "Backend" in c.__name__]
     env["tokenizer_class"] = type(processor.tokenizer).__name__
     env["head_dtype"] = str(model.head.decision.weight.dtype)
+    rotary = RotaryCapture(model)
 
     results = []
     for n, item in enumerate(job["requests"]):
@@ -87,6 +118,7 @@ def run_job(job: dict) -> dict:
                 rec["error"] = f"{type(e).__name__}: {e}"
                 results.append(rec)
                 continue
+            rotary.reset()
             logits = logits_fn(model, builder, prompt, device)
         rec["ok"] = True
         rec["prompt"] = prompt.to_json()
@@ -96,6 +128,10 @@ def run_job(job: dict) -> dict:
             name = f"pixels-{n}.pt"
             torch.save(prompt.base["pixel_values"].contiguous(), out / name)
             rec["pixel_values_file"] = name
+        if rotary.positions is not None:
+            name = f"rope-{n}.pt"
+            torch.save(rotary.tables(), out / name)
+            rec["rotary_file"] = name
         rec["seconds"] = time.perf_counter() - t1
         results.append(rec)
     return {

@@ -57,8 +57,10 @@ TINY_TEXT = {
     "rope_parameters": {
         "rope_type": "default",
         "rope_theta": 10000000,
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [2, 1, 1],
+        # Rotary half 8 split unequally (temporal > height > width, like 2B's [11, 11, 10]) so that a
+        # swap of two sections changes which axis drives a frequency that matters at these sizes.
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [4, 3, 1],
         "mrope_interleaved": True,
     },
     "mtp_num_hidden_layers": 1,

@@ -1,5 +1,6 @@
-"""Parity test fixtures: one bf16 reference run of every built-in case per session, shared by the
-CLI tests (through --reference-cache) and the negative controls (in-process).
+"""Parity test fixtures: the reference (bf16, the fp32 truth, fp64) on the control requests, run
+once per session in parallel processes and cached, shared by the CLI tests (through
+--reference-cache) and the negative controls (in process).
 
 The session fixtures `tiny_fixture` / `tiny_export` come from tests/conftest.py.
 """
@@ -10,9 +11,11 @@ import pytest
 
 # The pinned reference stack (transformers, peft, torchvision) is a hard requirement here: `make test`
 # installs it, and a skip would silently drop every reference comparison.
-from parity import cases, harness
+from parity import cases, controls, generator
+from parity.reference_run import start_reference
 
 THREADS = 1
+CONTROL_REQUESTS = 3  # per control; their union is the session's request set
 
 
 @pytest.fixture(scope="session")
@@ -21,19 +24,22 @@ def all_cases():
 
 
 @pytest.fixture(scope="session")
+def control_requests():
+    """The first CONTROL_REQUESTS requests of the CI set that exercise each control, in set order."""
+    ci = generator.ci_set()
+    chosen = {f"{c}/{n}" for control in controls.CONTROLS for c, n, _ in controls.subset(control, ci, CONTROL_REQUESTS)}
+    return [(c, n, r) for c, n, r in ci if f"{c}/{n}" in chosen]
+
+
+@pytest.fixture(scope="session")
 def reference_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("parity-reference-cache")
 
 
 @pytest.fixture(scope="session")
-def bf16_reference(tiny_fixture, all_cases, reference_cache):
-    """The reference (separate process, rebuilt from checkpoint.pt + base) on every built-in case, bf16, CPU."""
-    return harness.run_reference(
-        tiny_fixture.checkpoint,
-        tiny_fixture.base,
-        [(f"{c}/{n}", r) for c, n, r in all_cases],
-        device="cpu",
-        dtype="bf16",
-        threads=THREADS,
-        cache_dir=reference_cache,
-    )
+def references(tiny_fixture, control_requests, reference_cache):
+    """{dtype: ReferenceRun} of the control requests: bf16, fp32 (the truth) and fp64."""
+    ids = [(f"{c}/{n}", r) for c, n, r in control_requests]
+    jobs = {d: start_reference(tiny_fixture.checkpoint, tiny_fixture.base, ids, device="cpu", dtype=d, threads=THREADS, cache_dir=reference_cache)
+            for d in ("bf16", "fp32", "fp64")}
+    return {d: job.wait() for d, job in jobs.items()}

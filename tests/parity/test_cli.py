@@ -1,7 +1,7 @@
 """`valen-parity` through click's CliRunner: exit codes 0 / 1 / 2, the table and the report JSON.
 
-The reference results come from the session's bf16 run (`bf16_reference`) through
---reference-cache, so these tests build the reference model once.
+The reference results come from the session's runs (`references`) through --reference-cache,
+so these tests build no reference model of their own (except where a test needs the build to fail).
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import struct
 
 import torch
 from click.testing import CliRunner
@@ -28,101 +27,106 @@ def _invoke(args):
     return result.exit_code, result.output
 
 
-def perturb_lora_element(src, dst, name_part="layers.3.mlp.down_proj.lora_B", delta=0.5):
-    """Copy an export and add `delta` to one FP32 element of one LoRA tensor, in place in the
-    safetensors bytes; the manifest's sha256 is updated so the runtime loads it without complaint."""
-    shutil.copytree(src, dst)
-    path = dst / "adapter_model.safetensors"
-    data = bytearray(path.read_bytes())
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    name = next(k for k in header if name_part in k)
-    start = 8 + n + header[name]["data_offsets"][0]
-    (value,) = struct.unpack("<f", data[start : start + 4])
-    data[start : start + 4] = struct.pack("<f", value + delta)
-    path.write_bytes(bytes(data))
-    manifest_path = dst / "valen_export.json"
-    manifest = json.loads(manifest_path.read_text())
-    manifest["files"]["adapter_model.safetensors"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    manifest_path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-    return name
+def _requests_file(tmp_path, requests):
+    path = tmp_path / "requests.jsonl"
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for _, _, r in requests) + "\n", encoding="utf-8")
+    return path
 
 
-def test_pass_writes_table_and_report(tiny_fixture, tiny_export, bf16_reference, all_cases, reference_cache, tmp_path):
-    requests = tmp_path / "requests.jsonl"
-    requests.write_text("\n".join(json.dumps(r, ensure_ascii=False) for _, _, r in all_cases) + "\n", encoding="utf-8")
+def test_pass_writes_table_and_report(tiny_fixture, tiny_export, control_requests, references, reference_cache, tmp_path):
     report_path = tmp_path / "report.json"
     code, out = _invoke(
-        _args(tiny_fixture, tiny_export["separate"], "--requests", str(requests), "--dtype", "bf16", "--threads", THREADS,
-              "--reference-cache", str(reference_cache), "--report", str(report_path), "--pins", str(tiny_fixture.pins))
+        _args(tiny_fixture, tiny_export["separate"], "--requests", str(_requests_file(tmp_path, control_requests)), "--dtype", "bf16",
+              "--threads", THREADS, "--reference-cache", str(reference_cache), "--report", str(report_path), "--pins", str(tiny_fixture.pins))
     )
     assert code == 0, out
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["case", "question", "decision"]
-    assert "max |Δp|" in lines[0] and "margin" in lines[0] and "verdict" in lines[0]
-    assert any(line.startswith("requests/line1 ") and " ok" in line for line in lines)
-    assert "-> PASS" in lines[-1]
+    for column in ("truth/ref/runtime", "ref-vs-truth", "rt-vs-truth", "rt-vs-ref", "truth margin", "verdict"):
+        assert column in lines[0]
+    assert any(line.startswith("requests/line1 ") and line.rstrip().endswith(" ok") for line in lines)
+    assert "exact gate: runtime vs reference <= 1.00e-06 per option -> PASS" in lines[-1]
 
     report = json.loads(report_path.read_text(encoding="utf-8"))
-    assert report["schema"] == "valen-parity-report/1" and report["verdict"] == "pass"
-    assert report["reference"]["cached"] is True  # the session's reference run, not a second build
+    assert report["schema"] == "valen-parity-report/2" and report["verdict"] == "pass"
     assert report["setup"]["lora"] == "separate" and report["setup"]["dtype"] == "bf16" and report["setup"]["mode"] == "per-branch"
-    assert report["tolerance"]["lora"] == "separate" and report["tolerance"]["max_abs_dp"] == 1e-6
+    assert report["setup"]["references"] == ["bf16", "fp32"] and report["setup"]["truth"] == "fp32"
+    assert all(r["cached"] for r in report["references"].values())  # the session's reference runs, not new builds
+    assert report["gate"]["gate"] == "exact" and report["bounds"]["per_option"] == 1e-6
     assert report["export_manifest_sha256"] == hashlib.sha256((tiny_export["separate"] / "valen_export.json").read_bytes()).hexdigest()
-    env = report["reference"]["environment"]
-    assert set(env["versions"]) >= {"torch", "transformers", "peft", "tokenizers", "torchvision"}
-    assert env["versions"]["transformers"] == "5.4.0" and env["versions"]["peft"] == "0.18.1"
-    kernels = env["kernels"]
-    assert kernels["is_flash_linear_attention_available"] is False and kernels["is_causal_conv1d_available"] is False
-    assert not any(kernels["find_spec"].values())
-    assert kernels["qwen3_5_FusedRMSNormGated"] is None and kernels["qwen3_5_is_fast_path_available"] is False
-    assert env["live_model"]["gated_delta_rule"] == ["torch_chunk_gated_delta_rule"]
-    assert env["tf32"]["cuda.matmul.allow_tf32"] is False and "cudnn.allow_tf32" in env["tf32"]
-    assert env["device"] == "cpu" and env["dtype"] == "bf16"
+    for dtype in ("bf16", "fp32"):
+        env = report["references"][dtype]["environment"]
+        assert env["versions"]["transformers"] == "5.4.0" and env["versions"]["peft"] == "0.18.1" and env["dtype"] == dtype
+        kernels = env["kernels"]
+        assert kernels["is_flash_linear_attention_available"] is False and kernels["is_causal_conv1d_available"] is False
+        assert not any(kernels["find_spec"].values())
+        assert kernels["qwen3_5_FusedRMSNormGated"] is None and kernels["qwen3_5_is_fast_path_available"] is False
+        assert env["live_model"]["gated_delta_rule"] == ["torch_chunk_gated_delta_rule"]
+        assert env["tf32"]["cuda.matmul.allow_tf32"] is False and "cudnn.allow_tf32" in env["tf32"]
     assert report["runtime"]["kernels"] == {"gated_delta": "torch", "attention": "eager"} and report["runtime"]["cuda_graphs"] is False
     assert report["runtime"]["dtype"] == "bfloat16" and report["runtime"]["mode"] == "per-branch"
     s = report["summary"]
-    assert s["requests"] == len(all_cases) and s["failed_requests"] == 0
-    assert s["max_abs_dp"] == 0.0  # separate LoRA, per-branch: bitwise equal to the reference
-    assert s["token_ids_equal"] == s["usage_equal"] == len(all_cases)
-    assert s["max_pixel_values_abs"] == 0.0
+    assert s["requests"] == len(control_requests) and s["failed_requests"] == 0
+    assert s["errors"]["runtime_vs_reference"]["max"] == 0.0  # separate LoRA, per-branch: bitwise equal to the reference
+    assert s["errors"]["runtime_vs_truth"] == s["errors"]["reference_vs_truth"] and s["errors"]["reference_vs_truth"]["max"] > 0
+    assert s["token_ids_equal"] == s["usage_equal"] == s["rotary_equal"] == len(control_requests)
+    assert s["max_pixel_values_abs"] == 0.0 and s["max_rotary_abs"] == 0.0
     q = report["requests"][0]["questions"][0]
-    for key in ("p_ref", "p_runtime", "dp", "max_abs_dp", "logits_ref", "logits_runtime", "margin", "decision_ref", "decision_runtime", "confidence_ref", "confidence_runtime", "verdict"):
+    assert set(q["p"]) == {"bf16", "fp32", "runtime"} and set(q["logits"]) == {"bf16", "fp32", "runtime"}
+    assert set(q["errors"]) == {"reference_vs_truth", "runtime_vs_truth", "runtime_vs_reference"}
+    assert len(q["errors_per_option"]["runtime_vs_truth"]) == len(q["keys"])
+    for key in ("decision", "margin", "confidence", "score", "verdict", "judged_error", "decision_gated"):
         assert key in q, key
-    assert set(report["requests"][0]["checks"]) >= {"token_ids", "usage", "answer_formula"}
+    assert set(report["requests"][0]["checks"]) >= {"token_ids", "usage", "rotary", "answer_formula"}
     assert any("pixel_values" in e["checks"] for e in report["requests"])
-    usage = report["requests"][0]["checks"]["usage"]
-    assert usage["ok"] and usage["runtime"]["output_tokens"] == 0
 
 
-def test_perturbed_lora_element_fails(tiny_fixture, tiny_export, bf16_reference, reference_cache, tmp_path):
-    bad = tmp_path / "perturbed"
-    name = perturb_lora_element(tiny_export["separate"], bad)
+def test_shared_prefix_bf16_reports_its_dual_check(tiny_fixture, tiny_export, control_requests, references, reference_cache, tmp_path):
     report_path = tmp_path / "r.json"
     code, out = _invoke(
-        _args(tiny_fixture, bad, "--case", "all", "--dtype", "bf16", "--threads", THREADS, "--reference-cache", str(reference_cache), "--report", str(report_path))
+        _args(tiny_fixture, tiny_export["separate"], "--requests", str(_requests_file(tmp_path, control_requests)), "--mode", "shared-prefix",
+              "--kernels", "fast", "--threads", THREADS, "--reference-cache", str(reference_cache), "--report", str(report_path))
     )
-    assert code == 1, out
-    assert "-> FAIL" in out.splitlines()[-1] and "FAIL: max |Δp|" in out
+    assert code == 0, out
+    assert "dual (fp32) run of the same runtime options:" in out and "fp32-rounding gate" in out.splitlines()[-1]
     report = json.loads(report_path.read_text(encoding="utf-8"))
-    assert report["verdict"] == "fail" and report["summary"]["max_abs_dp"] > 1e-6
-    assert report["summary"]["token_ids_equal"] == report["summary"]["requests"]  # the prompt is right; the numbers are not
-    assert ".lora_B." in name
+    assert report["gate"]["gate"] == "truth-relative" and report["bounds"]["judged"] == "runtime vs fp32 truth"
+    assert report["dual"]["gate"]["gate"] == "fp32-rounding" and report["dual"]["setup"]["dtype"] == "fp32"
+    assert report["dual"]["bounds"]["per_option"] < 1e-3 < report["bounds"]["per_option"]
+    # The fast path, eager on the CPU, in the one-pass layout the engine plans for it.
+    assert report["setup"]["runtime_options"] == {"device": "cpu", "dtype": "bf16", "mode": "shared-prefix", "kernels": "fast",
+                                                  "graphs": False, "compile": False}
+    assert report["runtime"]["kernels"]["layers"] == "fused, eager" and report["runtime"]["layout"] == "one-pass"
 
 
-def test_fast_kernels_pass_the_shared_prefix_gate(tiny_fixture, tiny_export, bf16_reference, reference_cache, tmp_path):
-    # The fast path (its one-pass layout, chosen by the engine) is judged by the same declared entry
-    # as the shared-prefix mode it runs.
+def test_fp32_on_the_cpu_uses_the_fp64_truth(tiny_fixture, tiny_export, control_requests, references, reference_cache, tmp_path):
     report_path = tmp_path / "r.json"
     code, out = _invoke(
-        _args(tiny_fixture, tiny_export["separate"], "--case", "all", "--dtype", "bf16", "--mode", "shared-prefix", "--kernels", "fast",
+        _args(tiny_fixture, tiny_export["separate"], "--requests", str(_requests_file(tmp_path, control_requests)), "--dtype", "fp32",
               "--threads", THREADS, "--reference-cache", str(reference_cache), "--report", str(report_path))
     )
     assert code == 0, out
     report = json.loads(report_path.read_text(encoding="utf-8"))
-    assert report["setup"]["engine_options"] == {"device": "cpu", "dtype": "bf16", "mode": "shared-prefix", "kernels": "fast",
-                                                 "graphs": False, "compile": False}
-    assert report["runtime"]["kernels"]["layers"] == "fused, eager"
+    assert report["setup"]["truth"] == "fp64" and report["setup"]["references"] == ["fp32", "fp64"]
+    assert 0 < report["summary"]["errors"]["reference_vs_truth"]["max"] < 1e-4  # the fp32 reference's own rounding
+
+
+def test_perturbed_lora_element_fails(tiny_fixture, tiny_export, control_requests, references, reference_cache, tmp_path):
+    from parity.controls import perturb_lora_element
+
+    bad = tmp_path / "perturbed"
+    name = perturb_lora_element(tiny_export["separate"], bad)
+    report_path = tmp_path / "r.json"
+    code, out = _invoke(
+        _args(tiny_fixture, bad, "--requests", str(_requests_file(tmp_path, control_requests)), "--dtype", "bf16", "--threads", THREADS,
+              "--reference-cache", str(reference_cache), "--report", str(report_path))
+    )
+    assert code == 1, out
+    assert "-> FAIL" in out.splitlines()[-1] and "FAIL: |Δp|" in out
+    report = json.loads(report_path.read_text(encoding="utf-8"))
+    assert report["verdict"] == "fail" and report["summary"]["errors"]["runtime_vs_reference"]["max"] > 1e-6
+    assert report["summary"]["token_ids_equal"] == report["summary"]["requests"]  # the prompt is right; the numbers are not
+    assert ".lora_A." in name
 
 
 def _one_line_error(code, out):

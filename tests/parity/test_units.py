@@ -1,9 +1,11 @@
-"""Pieces of the harness that need no model: §10 formulas, the import blocker, the Valen-source
-refusals, the prompt constants, the built-in cases."""
+"""Pieces of the harness that need no model: Valen's answer formulas, every comparison of the gate
+at its boundary, the import blocker, the Valen-source refusals, the prompt constants, the built-in
+cases."""
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import subprocess
 import sys
@@ -11,32 +13,172 @@ import textwrap
 
 import pytest
 
-from parity import cases, harness, isolation, prompt, valen_source
+from parity import answers, cases, compare, isolation, prompt, valen_source
+from parity.reference_run import REPO_ROOT
+from parity.tolerances import load as load_tolerances
 
 
-# ---------------------------------------------------------------- §10 formulas (docs/valen-model.md)
+# ---------------------------------------------------------------- answer formulas (docs/valen-model.md)
 
 
 def test_score_worked_example():
-    n = harness.answer_numbers("score", [0.1, 0.3, 0.6])
+    n = answers.answer_numbers("score", [0.1, 0.3, 0.6])
     assert n["mode"] == 2
     assert n["score"] == pytest.approx(1.5)
     assert n["confidence"] == pytest.approx(0.25)
 
 
 def test_choice_confidence_examples():
-    assert harness.answer_numbers("choice", [0.4459854086288687, 0.5540145913711313])["confidence"] == pytest.approx(0.10802918274226259, abs=1e-15)
-    assert harness.answer_numbers("choice", [1 / 3] * 3)["confidence"] == pytest.approx(0.0, abs=1e-15)
-    assert harness.answer_numbers("choice", [1.0])["confidence"] == 1.0
-    assert harness.answer_numbers("noul", [0.7, 0.3]) == {"mode": 0, "confidence": None, "score": None}
+    assert answers.answer_numbers("choice", [0.4459854086288687, 0.5540145913711313])["confidence"] == pytest.approx(0.10802918274226259, abs=1e-15)
+    assert answers.answer_numbers("choice", [1 / 3] * 3)["confidence"] == pytest.approx(0.0, abs=1e-15)
+    assert answers.answer_numbers("choice", [1.0])["confidence"] == 1.0
+    assert answers.answer_numbers("noul", [0.7, 0.3]) == {"mode": 0, "confidence": None, "score": None}
 
 
 def test_probabilities_fp32_softmax_float64_renormalised():
-    p = harness.probabilities([0.0, 0.0, 0.0])
+    p = answers.probabilities([0.0, 0.0, 0.0])
     assert p == [1 / 3, 1 / 3, 1 / 3] or abs(sum(p) - 1) < 1e-15
-    assert harness.first_max([0.25, 0.5, 0.5]) == 1  # ties -> earliest
-    assert harness.top_two_margin([0.2, 0.5, 0.3]) == pytest.approx(0.2)
-    assert harness.top_two_margin([1.0]) is None
+    assert answers.first_max([0.25, 0.5, 0.5]) == 1  # ties -> earliest
+    assert answers.top_two_margin([0.2, 0.5, 0.3]) == pytest.approx(0.2)
+    assert answers.top_two_margin([1.0]) is None
+
+
+# ---------------------------------------------------------------- the gate's comparisons at their boundaries
+
+NEXT_UP = math.nextafter
+
+
+def test_within_passes_the_bound_itself_and_fails_just_above():
+    for bound in (0.0, 1e-6, 0.0437, 0.25):
+        assert compare.within(bound, bound)
+        assert not compare.within(NEXT_UP(bound, math.inf), bound)
+        assert compare.within(NEXT_UP(bound, -math.inf), bound) or bound == 0.0
+
+
+def test_decisions_are_gated_from_the_threshold_on():
+    assert compare.gated(0.05, 0.05)
+    assert not compare.gated(NEXT_UP(0.05, 0.0), 0.05)
+    assert compare.gated(None, 0.05)  # one candidate: nothing to flip, always checked
+
+
+def test_p95_is_the_nearest_rank():
+    values = [float(i) for i in range(1, 21)]  # ceil(0.95 * 20) = 19th smallest
+    assert compare.p95(values) == 19.0
+    assert compare.p95(list(reversed(values))) == 19.0
+    assert compare.p95([3.0]) == 3.0
+    assert compare.p95([float(i) for i in range(1, 101)]) == 95.0
+
+
+def _gate(lora="separate", dtype="bf16", mode="shared-prefix"):
+    return next(g for g in load_tolerances() if g.key == (lora, dtype, "cpu", mode))
+
+
+def test_bounds_follow_the_declared_formulas():
+    exact = compare.gate_bounds(_gate(mode="per-branch"), None)
+    assert exact["per_option"] == 1e-6 and exact["decision_margin"] == 2e-6 and exact["decisions_against"] == "reference"
+    fp32 = _gate(dtype="fp32")
+    b = compare.gate_bounds(fp32, 0.05)
+    assert b["per_option"] == fp32["factor"] * 2.0**-16 * 0.05
+    assert b["decision_margin"] == fp32["decision_margin_factor"] * b["per_option"]
+    assert compare.gate_bounds(fp32, 0.0)["per_option"] == fp32["floor"]  # never below the floor
+    tr = _gate()
+    b = compare.gate_bounds(tr, 0.05)
+    assert b["per_option"] == tr["a"] * 0.05 + tr["b"] and b["decisions_against"] == "fp32"
+    assert b["decision_margin"] == max(tr["margin_floor"], tr["margin_factor"] * 0.05)
+    assert compare.gate_bounds(tr, 0.001)["decision_margin"] == tr["margin_floor"]
+    merged = _gate("merged", "bf16")
+    assert merged.roundings == 2
+    assert compare.gate_bounds(merged, 0.05)["per_option"] == merged["a"] * math.sqrt(2) * 0.05 + merged["b"]
+    with pytest.raises(ValueError, match="E_bf16"):
+        compare.gate_bounds(tr, None)
+    assert compare.distribution_factor(tr, 200) == 1 + tr["z"] * math.sqrt(2 / 200)
+    assert compare.distribution_factor(tr, 200, tr["p95_spread"]) == 1 + tr["z"] * tr["p95_spread"] * math.sqrt(2 / 200)
+
+
+def _question(p_runtime, p_against, keys=None, against="bf16"):
+    keys = keys or [str(i) for i in range(len(p_runtime))]
+    p = {"runtime": p_runtime, against: p_against, "fp32": p_against, "bf16": p_against}
+    margin = answers.top_two_margin(p_against)
+    decision = {side: keys[answers.first_max(v)] for side, v in p.items()}
+    return {"qid": "q", "kind": "choice", "keys": keys, "p": p, "margin": {"bf16": margin, "fp32": margin}, "decision": decision}
+
+
+def _judge(question, per_option, margin, kind="exact"):
+    entries = [{"case": "c", "name": "n", "checks": {}, "problems": [], "questions": [question]}]
+    gate = _gate(mode="per-branch") if kind == "exact" else _gate()
+    bounds = {"per_option": per_option, "decision_margin": margin, "judged": "runtime vs reference",
+              "decisions_against": "reference" if kind == "exact" else "fp32"}
+    compare.judge(gate, entries, bounds, "bf16")
+    return entries[0]
+
+
+def test_per_option_rule_at_its_bound():
+    # |Δp| = 0.25 exactly (binary fractions): at the bound passes, one ulp below the bound fails.
+    assert _judge(_question([0.75, 0.25], [0.5, 0.5]), 0.25, 1.0)["verdict"] == "pass"
+    failed = _judge(_question([0.75, 0.25], [0.5, 0.5]), NEXT_UP(0.25, 0.0), 1.0)
+    assert failed["verdict"] == "fail" and "|Δp| 0.25" in failed["questions"][0]["problems"][0]
+
+
+def test_decision_rule_at_its_margin():
+    # The reference prefers "0" by a margin of 0.25; the runtime prefers "1"; |Δp| within bound.
+    q = lambda: _question([0.375, 0.625], [0.625, 0.375])  # noqa: E731
+    assert _judge(q(), 1.0, 0.25)["verdict"] == "fail"  # margin 0.25 >= 0.25: gated, disagrees
+    assert _judge(q(), 1.0, NEXT_UP(0.25, 1.0))["verdict"] == "pass"  # below the threshold: not gated
+    assert _judge(_question([0.375, 0.625], [0.625, 0.375]), 1.0, 0.25, kind="truth-relative")["verdict"] == "fail"
+
+
+def test_distribution_rule_at_its_bound(monkeypatch):
+    import dataclasses
+
+    gate = _gate()
+    n = int(gate["min_questions"])
+    # Factor 1, no additive term: the bound is the reference's statistic itself, exactly.
+    monkeypatch.setattr(compare, "distribution_factor", lambda g, questions, spread=1.0: 1.0)
+    gate = dataclasses.replace(gate, params=dict(gate.params, distribution_additive=0.0))
+
+    def entries(runtime_p0):
+        qs = [_question([runtime_p0, 1 - runtime_p0], [0.5, 0.5]) for _ in range(n)]
+        for q in qs:
+            q["p"]["bf16"] = [0.75, 0.25]  # the reference's error: 0.25 on every question
+        return [{"case": "c", "name": str(i), "checks": {}, "problems": [], "questions": [q]} for i, q in enumerate(qs)]
+
+    at = compare.distribution(gate, entries(0.75))
+    assert at["applied"] and at["ok"] and at["mean"]["runtime"] == at["mean"]["bound"] == 0.25 == at["p95"]["bound"]
+    above = compare.distribution(gate, entries(NEXT_UP(0.75, 1.0)))
+    assert not above["ok"] and len(above["problems"]) == 2  # mean and p95
+    few = compare.distribution(gate, entries(NEXT_UP(0.75, 1.0))[: n - 1])
+    assert not few["applied"] and "ok" not in few and not few["problems"]  # reported, not gated
+    assert few["mean"]["ok"] is False and "not gated" in few["why"]
+
+
+def test_tensor_and_rotary_checks_at_their_bound():
+    import torch
+
+    a = torch.tensor([0.0, 1.0])
+    assert compare.compare_tensor("x", a, a + torch.tensor([0.0, 0.25]), 0.25)["ok"]
+    assert not compare.compare_tensor("x", a, a + torch.tensor([0.0, 0.25]), NEXT_UP(0.25, 0.0))["ok"]
+    assert not compare.compare_tensor("x", a, a[:1], 1.0)["ok"]  # shapes differ
+    pos = torch.zeros(3, 2, dtype=torch.int64)
+    tables = torch.zeros(2, 2, 4)
+    assert compare.compare_rotary({"positions": pos, "tables": tables}, {"positions": pos, "tables": tables}, 0.0)["ok"]
+    moved = tables.clone()
+    moved[1, 1, 3] = 2.0**-30
+    assert not compare.compare_rotary({"positions": pos, "tables": tables}, {"positions": pos, "tables": moved}, 0.0)["ok"]
+    other = pos.clone()
+    other[1, 1] = 1
+    assert "position ids differ" in compare.compare_rotary({"positions": pos, "tables": tables}, {"positions": other, "tables": tables}, 1.0)["problems"][0]
+
+
+def test_answer_formula_at_its_bound():
+    keys, p = ["a", "b"], [0.75, 0.25]
+    nums = answers.answer_numbers("choice", p)
+    exact = {"type": "choice", "probabilities": {"a": 0.75, "b": 0.25}, "choice": "a", "confidence": nums["confidence"]}
+    assert compare._answer_formula_delta("choice", keys, ["A", "B"], p, nums, exact) == (0.0, [])
+    off = dict(exact, probabilities={"a": 0.75 + 2.0**-10, "b": 0.25})
+    delta, problems = compare._answer_formula_delta("choice", keys, ["A", "B"], p, nums, off)
+    assert delta == 2.0**-10 and not problems
+    swapped = dict(exact, probabilities={"b": 0.25, "a": 0.75})
+    assert compare._answer_formula_delta("choice", keys, ["A", "B"], p, nums, swapped)[0] == math.inf
 
 
 # ---------------------------------------------------------------- prompt constants and cases
@@ -103,7 +245,7 @@ def test_blocker_hides_installed_kernel_packages(tmp_path):
         """
         % (isolation.BLOCKED,)
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(harness.REPO_ROOT)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO_ROOT)]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "blocked" in out.stdout
@@ -111,7 +253,7 @@ def test_blocker_hides_installed_kernel_packages(tmp_path):
 
 def test_blocker_refuses_when_already_imported():
     code = "import sys, types; sys.modules['fla'] = types.ModuleType('fla'); from parity.isolation import install_blocker; install_blocker()"
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(harness.REPO_ROOT)), capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), capture_output=True, text=True)
     assert out.returncode != 0 and "imported before the parity blocker" in out.stderr
 
 
@@ -183,3 +325,34 @@ def test_valen_source_prompt_record_equals_the_rebuilt_one():
         media=[dict(media[0], sampling={"fps": 2})],  # Valen's sampling note is not part of the record
     )
     assert valen_source._Prompt(compiled, im_start).to_json() == ref.to_json()
+
+
+# ---------------------------------------------------------------- the gate's plan (no model)
+
+
+def test_gate_plans_each_runtime_run_once_per_device():
+    from parity.cli import needed_runs
+    from parity.gate import configurations
+    from parity.runtime_adapter import EngineOptions, module_path_options
+
+    gates = load_tolerances()
+
+    def gate_of(c):
+        return next(g for g in gates if g.key == (c.lora, c.options.dtype, c.options.device, c.options.mode))
+
+    cuda = configurations("cuda")
+    assert [(c.lora, c.options) for c in cuda] == [
+        ("separate", EngineOptions("cuda", "bf16", "shared-prefix")),
+        ("merged", EngineOptions("cuda", "bf16", "shared-prefix")),
+        ("merged", module_path_options(EngineOptions("cuda"))),
+    ]
+    runs = {(c.lora, o) for c in cuda for o in needed_runs(gate_of(c), c.options).values()}
+    # separate: the default in bf16 and fp32; merged: the same plus the module-path anchor (judged too)
+    assert runs == {("separate", EngineOptions("cuda", "bf16", "shared-prefix")), ("separate", EngineOptions("cuda", "fp32", "shared-prefix")),
+                    ("merged", EngineOptions("cuda", "bf16", "shared-prefix")), ("merged", EngineOptions("cuda", "fp32", "shared-prefix")),
+                    ("merged", EngineOptions("cuda", "fp32", "shared-prefix", kernels="torch", graphs=False))}
+    cpu = configurations("cpu")
+    assert len(cpu) == 12 and len({(c.lora, c.options) for c in cpu}) == 12
+    # On the CPU every dual run and anchor is one of the configurations' own runs.
+    own = {(c.lora, c.options) for c in cpu}
+    assert {(c.lora, o) for c in cpu for o in needed_runs(gate_of(c), c.options).values()} == own

@@ -258,3 +258,65 @@ def test_valen_run_bad_device_is_one_line_exit_2(tiny_export, tmp_path, device, 
     result = CliRunner().invoke(valen_run, ["--export", str(tiny_export["separate"]), "--device", device, str(req)])
     assert result.exit_code == 2, result.output
     assert result.output.count("\n") == 1 and result.output.startswith("error:") and phrase in result.output, result.output
+
+
+def _independent_logits(engine, compiled) -> list[torch.Tensor]:
+    """Per-branch logits of a text-only request from the model's modules, without the engine:
+    one full forward of state + suffix from position 0, the head on the candidate and decision rows."""
+    model = engine.model
+    out = []
+    for question in compiled.questions:
+        rows = []
+        for branch in question.branches:
+            ids = torch.tensor([compiled.state.input_ids + branch.suffix_ids])
+            positions = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)  # text only: the three axes agree
+            with torch.no_grad():
+                hidden = model.text(model.text.embed(ids), positions)[0]
+                rows.append(model.head.logits(hidden[list(branch.candidate_positions)], hidden[branch.decision_position]))
+        out.append(torch.cat(rows))
+    return out
+
+
+def _independent_answer(kind: str, keys: list[str], logits: torch.Tensor) -> dict:
+    """Valen's answer (docs/valen-model.md) written out here: fp32 softmax, float64 renormalised,
+    first maximum, confidence and score formulas."""
+    values = logits.float().softmax(-1).tolist()
+    total = 0.0
+    for v in values:
+        total += v
+    p = [v / total for v in values]
+    k = len(p)
+    mode = max(range(k), key=lambda i: (p[i], -i))
+    if kind == "noul":
+        return {"noul": p[keys.index("true")]}
+    answer = {"probabilities": dict(zip(keys, p))}
+    if kind == "choice":
+        answer["choice"] = keys[mode]
+        answer["confidence"] = 1.0 if k == 1 else max(0.0, (p[mode] - 1 / k) / (1 - 1 / k))
+    else:
+        answer["score"] = sum(i * v for i, v in enumerate(p))
+        mad = sum(abs(i - (k - 1) / 2) for i in range(k)) / k
+        answer["confidence"] = max(0.0, 1 - sum(v * abs(i - mode) for i, v in enumerate(p)) / mad)
+    return answer
+
+
+@pytest.mark.parametrize("lora, dtype", [("separate", "fp32"), ("merged", "bf16")])
+def test_run_answers_match_an_independent_computation(tiny_export, lora, dtype):
+    engine = Engine.load(tiny_export[lora], EngineOptions(device="cpu", dtype=dtype, mode="per-branch"))
+    request = dict(TEXT_REQUEST, questions=dict(TEXT_REQUEST["questions"], four={
+        "type": "choice", "instructions": "Which team?", "criteria": {"billing": "Billing", "support": "Support", "sales": None, "legal": "Legal"}}))
+    result = engine.run(request)
+    logits = _independent_logits(engine, result.compiled)
+    for question, got, want in zip(result.compiled.questions, result.logits, logits):
+        assert torch.equal(got, want.float())  # per-branch: the same ops in the same order
+        expected = _independent_answer(question.kind, list(question.keys), want)
+        answer = result.response["answers"][question.qid]
+        if question.kind == "noul":
+            assert answer["noul"] == pytest.approx(expected["noul"], abs=1e-15)
+            continue
+        assert list(answer["probabilities"]) == list(question.keys)
+        for key in question.keys:
+            assert answer["probabilities"][key] == pytest.approx(expected["probabilities"][key], abs=1e-15), (question.qid, key)
+        for field in ("choice", "score", "confidence"):
+            if field in expected:
+                assert answer[field] == pytest.approx(expected[field], abs=1e-15), (question.qid, field)

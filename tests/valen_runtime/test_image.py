@@ -140,6 +140,26 @@ def test_smart_resize_matches_transformers(config, height, width):
     assert smart_resize(height, width, 32, config.min_pixels, config.max_pixels) == expected
 
 
+# Sides of 32k + 16: side / 32 ends in exactly .5, where round-half-to-even (Python's round, as
+# transformers) and round-half-up part ways whenever k is even (272 -> 256, not 288).
+HALF_SIDES = [16 * (2 * k + 1) for k in range(4, 15)]  # 144 ... 464, k = 4..14 (odd and even k)
+
+
+@pytest.mark.parametrize("height", HALF_SIDES)
+def test_smart_resize_at_exact_halves_matches_transformers(config, height):
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_smart_resize
+
+    for width in (*HALF_SIDES, 512):
+        expected = hf_smart_resize(height, width, factor=32, min_pixels=config.min_pixels, max_pixels=config.max_pixels)
+        assert smart_resize(height, width, 32, config.min_pixels, config.max_pixels) == expected, (height, width)
+
+
+def test_half_sizes_round_to_even_grids():
+    # Independent of transformers: 272 = 8.5 x 32 rounds to 8 x 32 and 304 = 9.5 x 32 to 10 x 32.
+    assert smart_resize(272, 304, 32, 4096, 16777216) == (256, 320)
+    assert smart_resize(336, 400, 32, 4096, 16777216) == (320, 384)
+
+
 def test_pixel_bounds_come_from_preprocessor_config(folder, processor, tmp_path):
     from transformers import AutoProcessor
 

@@ -1,5 +1,6 @@
 """valen_runtime.positions.rope_index against transformers 5.4.0's Qwen3_5Model.get_rope_index."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -104,3 +105,52 @@ def test_refusals(types, grids, phrase):
 def test_length_mismatch_is_refused():
     with pytest.raises(ValueError, match="entries for"):
         rope_index([1, 2, 3], [0, 0], None, 2)
+
+
+# ---------------------------------------------------------------- the rotary tables these positions drive
+
+
+def _rotary_pair(text: dict):
+    """(runtime TextRotaryEmbedding, transformers' Qwen3_5TextRotaryEmbedding) for one text config."""
+    hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    from valen_runtime.config import TextConfig
+    from valen_runtime.qwen35 import TextRotaryEmbedding
+
+    cfg, _, _ = TextConfig.from_dict(dict(text, model_type="qwen3_5_text"))
+    return TextRotaryEmbedding(cfg), hf.Qwen3_5TextRotaryEmbedding(Qwen3_5TextConfig(**text))
+
+
+def _config_2b() -> dict:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    return json.loads((root / "manifests" / "qwen3.5-2b.config.json").read_text())["text_config"]
+
+
+def _config_tiny() -> dict:
+    from valen_export.fixture import TINY_TEXT
+
+    return dict(TINY_TEXT, vocab_size=1000)
+
+
+@pytest.mark.parametrize("config", [_config_2b, _config_tiny], ids=["2b", "tiny fixture"])
+def test_rotary_tables_match_transformers_bitwise_and_see_swapped_sections(config):
+    text = config()
+    t, h, w = text["rope_parameters"]["mrope_section"]
+    assert h != w  # unequal height / width sections, or a swap of the two could not show
+    runtime, reference = _rotary_pair(text)
+    # Two images of merged grids 10 x 6 and 3 x 14 among text: height and width positions part from
+    # the temporal one by up to 13 rows / columns, at offsets up to ~1000 (a long state).
+    ids, types, grids = sequence([900, (1, 20, 12), 7, (1, 6, 28), 40])
+    pos, _ = rope_index(ids, types, grids, spatial_merge_size=2)
+    pos = pos[:, None, :]  # [3, 1, T]
+    probe = torch.zeros(1, dtype=torch.float32)
+    cos, sin = runtime(probe, pos)
+    ref_cos, ref_sin = reference(probe, pos)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    # The same tables with the height and width sections swapped are not the same tables.
+    runtime.mrope_section = (t, w, h)
+    swapped_cos, swapped_sin = runtime(probe, pos)
+    assert not (torch.equal(swapped_cos, ref_cos) and torch.equal(swapped_sin, ref_sin))
