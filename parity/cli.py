@@ -9,6 +9,8 @@ usage errors print one line, no traceback.
 from __future__ import annotations
 
 import json
+import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -18,25 +20,51 @@ from . import cases as cases_mod
 from . import harness, tolerances
 
 
+# A --requests file holds at most this many bytes (eight requests at the 8 MiB body limit).
+MAX_REQUESTS_FILE = 64 * 1024 * 1024
+
+
 def _read_requests(path: Path) -> list[tuple[str, str, dict]]:
+    """One wire request per line, each read and checked as valen-serve reads a body (wire.py):
+    never more than 8 MiB + 2 bytes of a line are read, and the whole file is bounded too."""
+    from valen_runtime.errors import RequestError
+    from valen_runtime.wire import MAX_BODY, BodyError, decode_request
+
+    out, total = [], 0
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise harness.UsageProblem(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            req = json.loads(line)
-        except ValueError as e:
-            raise harness.UsageProblem(f"{path}:{n}: not a JSON request ({e})") from None
-        if not isinstance(req, dict):
-            raise harness.UsageProblem(f"{path}:{n}: a request must be a JSON object")
-        out.append(("requests", f"line{n}", req))
+        with open(path, "rb") as handle:
+            for n, line in enumerate(iter(lambda: handle.readline(MAX_BODY + 2), b""), 1):
+                total += len(line)
+                if total > MAX_REQUESTS_FILE:
+                    raise harness.UsageProblem(f"{path}: more than {MAX_REQUESTS_FILE} bytes; split the requests over several runs")
+                body = line.rstrip(b"\r\n")
+                if len(body) > MAX_BODY:
+                    raise harness.UsageProblem(f"{path}:{n}: longer than the {MAX_BODY}-byte body limit")
+                if not body.strip():
+                    continue
+                try:
+                    req = decode_request(body)
+                except BodyError as e:
+                    raise harness.UsageProblem(f"{path}:{n}: not a JSON request ({e})") from None
+                except RequestError as e:
+                    raise harness.UsageProblem(f"{path}:{n}: refused by the wire contract ({e})") from None
+                out.append(("requests", f"line{n}", req))
+    except OSError as e:
+        raise harness.UsageProblem(f"{path}: cannot read ({e.strerror or e})") from None
     if not out:
         raise harness.UsageProblem(f"{path}: holds no request")
     return out
+
+
+def _check_export_files(export: Path) -> None:
+    """Every file the export's manifest lists, re-hashed: a damaged export is refused, not compared."""
+    from valen_runtime.errors import ValenError
+    from valen_runtime.manifest import Manifest
+
+    try:
+        Manifest.load(export).require_files("full")
+    except ValenError as e:
+        raise harness.UsageProblem(f"{e}; the export does not match its manifest, nothing was compared") from None
 
 
 def run(
@@ -69,6 +97,7 @@ def run(
         if not path.is_dir():
             raise harness.UsageProblem(f"{path}: {opt} must be an existing directory")
     manifest, manifest_sha = harness.manifest_info(export)
+    _check_export_files(export)
     try:
         entries = tolerances.load(tolerances_path)
         tol = tolerances.select(entries, manifest["lora"]["mode"], dtype, device, mode)
@@ -98,17 +127,23 @@ def run(
         checkpoint, base, [(f"{c}/{n}", r) for c, n, r in todo], device=device, dtype=dtype,
         valen_source=valen_source, threads=threads, cache_dir=reference_cache,
     )
-    problems = harness.check_pins(pins_data, manifest, ref, base)
-    if problems:
-        raise harness.UsageProblem("; ".join(problems))
-    setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads, kernels, graphs, lora_gemm, layout)
     previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
     try:
+        problems = harness.check_pins(pins_data, manifest, ref, base)
+        if problems:
+            raise harness.UsageProblem("; ".join(problems))
+        setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads, kernels, graphs, lora_gemm, layout)
+        if threads:
+            torch.set_num_threads(threads)
         return harness.evaluate(setup, todo, ref, tol, manifest, manifest_sha)
     finally:
         torch.set_num_threads(previous)
+        if not ref.cached:  # the reference's temporary folder (a cache hit is the cache's own folder)
+            shutil.rmtree(ref.out_dir, ignore_errors=True)
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 @click.command(name="valen-parity")
@@ -137,6 +172,8 @@ def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pin
     Example:
       valen-parity --export build/export --checkpoint ckpt --base qwen --case all --dtype fp32 --report r.json
     """
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind, so temporary folders are removed
+        signal.signal(sig, _exit_on_signal)
     try:
         if mode is None:
             mode = "shared-prefix" if str(device).startswith("cuda") else "per-branch"

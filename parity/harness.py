@@ -163,6 +163,14 @@ def run_reference(
                 rec["id"] = rid
             return ReferenceRun(data, hit, 0.0, cached=True)
     out = Path(tempfile.mkdtemp(prefix="valen-parity-ref-", dir=workdir))
+    try:  # the caller removes `out` after comparing; here only when the reference fails or is interrupted
+        return _reference_in(out, checkpoint, base, requests, device, dtype, valen_source, threads, cache_dir, key, timeout)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _reference_in(out: Path, checkpoint: Path, base: Path, requests, device, dtype, valen_source, threads, cache_dir, key, timeout) -> ReferenceRun:
     job = {
         "checkpoint": str(checkpoint.resolve()),
         "base": str(base.resolve()),
