@@ -336,11 +336,48 @@ def _ms(started: float) -> float:
 # ---------------------------------------------------------------- uvicorn
 
 
+LINGER_S = 2.0  # how long a connection refused mid-body keeps discarding what the client still sends
+
+
+class _LingeringTransport:
+    """A transport whose close() lingers while the client is still sending a refused body.
+
+    Closing a socket with unread data makes the kernel send a reset, which can destroy the answer
+    (413, 503, ...) before the client reads it. Instead the write side is shut (the client sees
+    the end of the answer), further input is discarded, and the socket closes once the client
+    closes or after LINGER_S. Everything else is the wrapped transport's.
+    """
+
+    def __init__(self, transport, body_pending: Callable[[], bool]):
+        self._transport = transport
+        self._body_pending = body_pending
+        self.discarding = False
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        transport = self._transport
+        if self.discarding or transport.is_closing():
+            return
+        if not self._body_pending() or not transport.can_write_eof():
+            transport.close()
+            return
+        self.discarding = True
+        transport.write_eof()
+        transport.resume_reading()
+        asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+    def is_closing(self) -> bool:
+        return self.discarding or self._transport.is_closing()
+
+
 def _protocol_class(read_timeout: float):
-    """uvicorn's HTTP/1.1 protocol, changed in two ways: the parser's own refusals (malformed
-    request line, conflicting Content-Length, ...) answer {"detail": ...} like every other error,
-    and a connection whose request headers do not arrive within read_timeout gets 408 and is
-    closed (uvicorn itself never times out a request's headers)."""
+    """uvicorn's HTTP/1.1 protocol, changed in three ways: the parser's own refusals (malformed
+    request line, conflicting Content-Length, ...) answer {"detail": ...} like every other error;
+    a connection whose request headers do not arrive within read_timeout gets 408 and is closed
+    (uvicorn itself never times out a request's headers); and a connection closed while the
+    client is still sending its body lingers (_LingeringTransport), so the client reads the answer."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -348,12 +385,22 @@ def _protocol_class(read_timeout: float):
         _header_timer = None
 
         def connection_made(self, transport) -> None:
-            super().connection_made(transport)
+            self._lingering = _LingeringTransport(transport, lambda: self.conn.their_state is h11.SEND_BODY)
+            super().connection_made(self._lingering)
             self._arm_header_timer()
 
         def connection_lost(self, exc) -> None:
             self._cancel_header_timer()
             super().connection_lost(exc)
+            self._lingering._transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if not self._lingering.discarding:
+                super().data_received(data)
+
+        def eof_received(self) -> None:
+            if self._lingering.discarding:
+                self._lingering._transport.close()  # the client finished sending: close now
 
         def handle_events(self) -> None:
             cycle = self.cycle
