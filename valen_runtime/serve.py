@@ -24,6 +24,7 @@ import contextlib
 import io
 import json
 import logging
+import platform
 import queue
 import re
 import signal
@@ -132,6 +133,7 @@ class Executor:
         self._thread = threading.Thread(target=self._run, name="valen-executor", daemon=True)
         self.error: BaseException | None = None
         self.timings: dict[str, float] = {}
+        self.engine_info: dict = {}
 
     def start(self) -> None:
         """Load and warm up on the executor thread; raises what loading raised."""
@@ -159,6 +161,7 @@ class Executor:
         try:
             t0 = time.perf_counter()
             engine = self._load()
+            self.engine_info = {"mode": engine.mode, "layout": engine.layout, "kernels": dict(engine.kernels), "cuda_graphs": engine.graphs is not None}
             t1 = time.perf_counter()
             for request in self._warmup:
                 engine.run(request)
@@ -575,8 +578,10 @@ def main(export_dir, host, port, device, dtype, mode, temperature, calibration, 
     sock.listen(128)
     bound_host, bound_port = sock.getsockname()[:2]
     log.info({"event": "ready", "url": f"http://{bound_host}:{bound_port}", "port": bound_port, "device": dev,
-              **{k: round(v, 3) for k, v in executor.timings.items()}, "queue_size": settings.queue_size,
-              "request_timeout_s": settings.request_timeout, "read_timeout_s": settings.read_timeout})
+              "device_name": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else (platform.processor() or platform.machine()),
+              "dtype": dtype, **executor.engine_info, **{k: round(v, 3) for k, v in executor.timings.items()},
+              "queue_size": settings.queue_size, "request_timeout_s": settings.request_timeout, "read_timeout_s": settings.read_timeout,
+              "versions": {"python": platform.python_version(), "torch": torch.__version__, "uvicorn": uvicorn.__version__}})
     server.run(sockets=[sock])
     executor.stop()
     log.info({"event": "stopped", "reason": "signal" if server.should_exit else "server ended"})
