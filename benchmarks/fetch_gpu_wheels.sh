@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU machine lacks into .whl/ (git-ignored): the pinned reference stack
-# (transformers, tokenizers, peft) and the optional fast kernels (fla-core), built for CPython 3.12
+# (transformers, tokenizers, peft), the optional fast kernels (fla-core) and valen-serve's HTTP stack, built for CPython 3.12
 # on x86-64 Linux. Run it here, where PyPI is reachable; benchmarks/gpu_run.sh installs them there.
 # Extra NAME==VERSION arguments are fetched too.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 mkdir -p .whl
-pinned=("transformers==5.4.0" "tokenizers==0.22.2" "peft==0.18.1" "fla-core==0.6.0")
+pinned=("transformers==5.4.0" "tokenizers==0.22.2" "peft==0.18.1" "fla-core==0.6.0"
+        "uvicorn==0.54.0" "starlette==1.10.0" "h11==0.16.0" "anyio==4.16.0")  # the last four: valen-serve
 for spec in "${pinned[@]}" "$@"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -9,6 +9,8 @@
 #   2. the gpu-marked tests (fast paths vs reference paths; TESTS_ARGS adds pytest options, e.g. -k NAME),
 #   3. benchmarks/latency.py on the 2b preset (reference path vs runtime modes, one run; LATENCY_ARGS adds options, e.g. --skip-reference --only graphs),
 #   4. valen-parity on the 2b preset: bf16 per-branch and shared-prefix, fp32 per-branch, both LoRA modes.
+#   "serve" (not in the default STEPS; run it alone: STEPS=serve): benchmarks/serve_load.py, valen-serve under
+#   load on the 2b separate export (SERVE_ARGS adds options, e.g. --leak-requests 2000).
 set -uo pipefail
 FINAL=${OUT:-/tmp/valen-gpu-out}
 OUT=/tmp/valen-gpu-results  # many small files; packed into one archive at the end ($OUT takes 8 files)
@@ -16,6 +18,9 @@ rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
 STEPS=${STEPS:-"tests latency parity"}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/transformers-*.whl .whl/tokenizers-*.whl .whl/peft-*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl || exit 1
+if [[ " $STEPS " == *" serve "* ]]; then  # valen-serve's HTTP stack
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/uvicorn-*.whl .whl/starlette-*.whl .whl/h11-*.whl .whl/anyio-*.whl || exit 1
+fi
 export PYTHONPATH="$PWD:/tmp/site:/tmp/site-fla"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
@@ -68,6 +73,11 @@ PY
     echo "parity $spec: exit $?"; tail -4 "$OUT/parity-$1-$2-$3.log"
   done
 fi
+if [[ " $STEPS " == *" serve "* ]]; then  # builds fixture-2b and export-2b-separate when missing (as the parity step)
+  timeout $(cap ${SERVE_TIMEOUT:-540}) python3 benchmarks/serve_load.py --export "$WORK/export-2b-separate" --build 2b --device cuda \
+    --out "$OUT/serve-load.json" --requests 1000 --duration 30 --leak-duration 150 --startup-timeout 360 ${SERVE_ARGS:-} > "$OUT/serve-load.log" 2>&1
+  echo "serve: exit $?"; tail -8 "$OUT/serve-load.log"
+fi
 if [[ " $STEPS " == *" tests "* ]]; then
   timeout $(cap ${TESTS_TIMEOUT:-300}) python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/test_fast.py ${TESTS_ARGS:-} > "$OUT/gpu-tests.log" 2>&1
   tail -3 "$OUT/gpu-tests.log"
@@ -76,3 +86,4 @@ fi
 ls -la "$OUT"
 tar -czf "$FINAL/gpu-results.tar.gz" -C "$OUT" .
 cp "$OUT/latency.json" "$FINAL/" 2>/dev/null || true
+cp "$OUT/serve-load.json" "$FINAL/" 2>/dev/null || true

@@ -177,7 +177,7 @@ def run_phase(port: int, bodies: dict[str, bytes], expected: dict[str, bytes], s
             if on_progress is not None:
                 on_progress(done)
 
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     t0 = time.perf_counter()
     for thread in threads:
         thread.start()
@@ -222,6 +222,8 @@ def main() -> None:
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--serve-args", default="", help="more valen-serve options, space separated")
     args = ap.parse_args()
+    # Stopped from outside (timeout(1) sends SIGTERM): still stop the server and write what was measured.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     if args.build and not (args.export / "valen_export.json").exists():
         t = time.perf_counter()
