@@ -24,6 +24,7 @@ import contextlib
 import io
 import json
 import logging
+import math
 import platform
 import queue
 import re
@@ -33,7 +34,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -61,8 +62,8 @@ class Settings:
             raise ValueError(f"--queue-size must be an integer >= 0, got {self.queue_size!r}")
         for name in ("request_timeout", "read_timeout"):
             value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {value!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number of seconds > 0, got {value!r}")
 
 
 # ---------------------------------------------------------------- warmup
@@ -118,17 +119,27 @@ def warmup_requests(full: bool) -> list[dict]:
 # ---------------------------------------------------------------- the executor
 
 
+@dataclass
+class Job:
+    """One request for the executor; `future` gets the RunResult or the exception."""
+
+    request: dict
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    queued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+
+
 class Executor:
     """One thread owns the Engine: it loads it, warms it up, then runs jobs in arrival order.
 
-    A job is a concurrent.futures.Future; one cancelled before it starts (its client's timeout
-    passed) is skipped. Jobs are admitted by the HTTP side, which bounds how many wait.
+    A job whose future was cancelled before it started (its client's timeout passed) is skipped.
+    Jobs are admitted by the HTTP side, which bounds how many wait.
     """
 
     def __init__(self, load: Callable[[], object], warmup: list[dict]):
         self._load = load
         self._warmup = warmup
-        self._jobs: "queue.SimpleQueue[tuple[dict, concurrent.futures.Future] | None]" = queue.SimpleQueue()
+        self._jobs: "queue.SimpleQueue[Job | None]" = queue.SimpleQueue()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="valen-executor", daemon=True)
         self.error: BaseException | None = None
@@ -146,11 +157,10 @@ class Executor:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, request: dict) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        future.queued_at = time.perf_counter()
-        self._jobs.put((request, future))
-        return future
+    def submit(self, request: dict) -> Job:
+        job = Job(request)
+        self._jobs.put(job)
+        return job
 
     def stop(self) -> None:
         """Let the thread finish the jobs it has, then end it."""
@@ -172,14 +182,13 @@ class Executor:
         finally:
             self._ready.set()
         while (job := self._jobs.get()) is not None:
-            request, future = job
-            if not future.set_running_or_notify_cancel():
+            if not job.future.set_running_or_notify_cancel():
                 continue  # abandoned while it waited
-            future.started_at = time.perf_counter()
+            job.started_at = time.perf_counter()
             try:
-                future.set_result(engine.run(request))
+                job.future.set_result(engine.run(job.request))
             except BaseException as exc:
-                future.set_exception(exc)
+                job.future.set_exception(exc)
 
 
 # ---------------------------------------------------------------- the HTTP application
@@ -290,11 +299,11 @@ class WorkerApp:
         except RequestError as exc:
             raise _Answer(http_status(exc), str(exc)) from None
         del body
-        future = self.executor.submit(request)
+        job = self.executor.submit(request)
         remaining = self.settings.request_timeout - (time.perf_counter() - started)
         try:
             # On timeout wait_for cancels the wrapper, which cancels the job unless it has started.
-            result = await asyncio.wait_for(asyncio.wrap_future(future), timeout=max(remaining, 0.0))
+            result = await asyncio.wait_for(asyncio.wrap_future(job.future), timeout=max(remaining, 0.0))
         except asyncio.TimeoutError:
             raise _Answer(503, f"not answered within {self.settings.request_timeout:g} s (--request-timeout); the worker is overloaded") from None
         except RequestError as exc:
@@ -305,7 +314,7 @@ class WorkerApp:
         response = result.response
         record.update(
             input_tokens=response["usage"]["input_tokens"], compute_tokens=response["internal_usage"]["compute_tokens"],
-            queue_ms=round((future.started_at - future.queued_at) * 1e3, 3), run_ms=round((time.perf_counter() - future.started_at) * 1e3, 3),
+            queue_ms=round((job.started_at - job.queued_at) * 1e3, 3), run_ms=round((time.perf_counter() - job.started_at) * 1e3, 3),
         )
         return response_body(response)
 
@@ -577,7 +586,8 @@ def main(export_dir, host, port, device, dtype, mode, temperature, calibration, 
     server = _server_class()(config)
     sock.listen(128)
     bound_host, bound_port = sock.getsockname()[:2]
-    log.info({"event": "ready", "url": f"http://{bound_host}:{bound_port}", "port": bound_port, "device": dev,
+    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    log.info({"event": "ready", "url": f"http://{url_host}:{bound_port}", "port": bound_port, "device": dev,
               "device_name": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else (platform.processor() or platform.machine()),
               "dtype": dtype, **executor.engine_info, **{k: round(v, 3) for k, v in executor.timings.items()},
               "queue_size": settings.queue_size, "request_timeout_s": settings.request_timeout, "read_timeout_s": settings.read_timeout,

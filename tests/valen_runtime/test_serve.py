@@ -499,6 +499,9 @@ def test_startup_refuses_a_damaged_export_and_a_taken_port(tiny_export, tmp_path
         cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--port", str(port), "--device", "cpu"]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(f"error: cannot bind 127.0.0.1:{port}"), result.stderr
+    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--queue-size", "-1", "--device", "cpu"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == "error: --queue-size must be an integer >= 0, got -1", result.stderr
 
 
 def _export_with_failing_template(source, tmp_path):
