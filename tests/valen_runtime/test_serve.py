@@ -39,11 +39,11 @@ QUEUE_SIZE = 8
 class Worker:
     """`python -m valen_runtime.serve` on a free port; its stderr JSON lines collected as they come."""
 
-    def __init__(self, export, tmp_path, *options: str):
+    def __init__(self, export, tmp_path, *options: str, device: str = "cpu"):
         self.tmpdir = tmp_path / "tmpdir"  # TMPDIR of the server: request-scoped files would land here
         self.tmpdir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(export), "--port", "0", "--device", "cpu", *options]
+        cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(export), "--port", "0", "--device", device, *options]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[dict] = []
         self.raw_lines: list[str] = []
@@ -504,6 +504,17 @@ def test_startup_refuses_a_damaged_export_and_a_taken_port(tiny_export, tmp_path
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == "error: --queue-size must be an integer >= 0, got -1", result.stderr
 
 
+def test_sigterm_while_loading_exits_0_without_listening(tiny_export, tmp_path):
+    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()  # the "loading" line comes before the export is read
+    assert json.loads(first)["event"] == "loading", first
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0
+    assert '"event": "stopped"' in rest and '"event": "ready"' not in rest and "Traceback" not in rest, rest
+
+
 def _export_with_failing_template(source, tmp_path):
     """A copy of the export whose chat template emits a video token for one phrase; the manifest
     is updated, so the export loads and only such a request fails inside the compiler (500)."""
@@ -540,5 +551,49 @@ def test_internal_failure_is_500_and_a_late_answer_is_503(tiny_export, tmp_path,
         while (result := http_call(server.port, "POST", "/v1/systemone", json.dumps(request).encode()))[0] == 503:
             assert time.monotonic() < deadline  # it may time out while the abandoned request still runs
         assert result[0] == 200 and result[2] == expected_bytes(engine, request)
+    finally:
+        assert server.stop() == 0
+
+
+# ---------------------------------------------------------------- warmup
+
+
+def test_every_warmup_request_is_valid_and_covers_the_shape_families(tiny_export):
+    """A refused warmup request would stop the worker at startup; the full set must also reach each
+    family the CUDA fast path specialises on: short and long states, one and several branches,
+    images of two sizes."""
+    from valen_runtime.compile import Compiler
+    from valen_runtime.serve import warmup_requests
+
+    compiler = Compiler.from_dir(tiny_export["separate"])
+    basic, full = warmup_requests(False), warmup_requests(True)
+    assert basic == full[:2] and isinstance(basic[0]["state"], str) and list(basic[1]["state"]) == ["image"]  # as upstream
+    compiled = [compiler.compile(r) for r in full]
+    states = [len(c.state.input_ids) for c in compiled if c.state.image_grid_thw is None]
+    branches = {sum(len(q.branches) for q in c.questions) for c in compiled}
+    grids = {tuple(map(tuple, c.state.image_grid_thw.tolist())) for c in compiled if c.state.image_grid_thw is not None}
+    assert min(states) < 64 <= max(states)  # the padded batch (no 64-token prefix) and the one-pass layout
+    assert sum(s < 64 for s in states) >= 2 and sum(s >= 64 for s in states) >= 2  # two sizes of each
+    assert {1, 7} <= branches
+    assert len(grids) >= 3  # the 2 x 2 image and two more sizes
+
+
+@pytest.mark.gpu
+def test_first_requests_after_ready_do_not_compile(tiny_export, tmp_path):
+    """On CUDA the warmup pays for torch.compile and graph capture: a request of a family it did not
+    warm costs 10 s or more (docs/runtime.md), a warm one well under 1 s; 5 s tells them apart."""
+    server = Worker(tiny_export["separate"], tmp_path, device="cuda")
+    try:
+        requests = [
+            text_request(),
+            text_request("A much longer account of what happened. " * 40, MIXED),
+            {"model": MODEL, "state": {"messages": [{"role": "user", "content": [{"type": "image", "image": data_url(png_bytes(448, 448))},
+                                                                                 {"type": "text", "text": "Which move?"}]}]}, "questions": MIXED},
+            {"model": MODEL, "state": {"image": data_url(png_bytes(640, 480))}, "questions": {"q": MIXED["next"]}},
+        ]
+        for request in requests:
+            t0 = time.monotonic()
+            status, _, _ = http_call(server.port, "POST", "/v1/systemone", json.dumps(request).encode())
+            assert status == 200 and time.monotonic() - t0 < 5.0, (request["questions"].keys(), time.monotonic() - t0)
     finally:
         assert server.stop() == 0
