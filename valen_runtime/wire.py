@@ -5,8 +5,7 @@
 - strict JSON (`parse_request_bytes`): UTF-8, no duplicate keys, no NaN / Infinity, no lone
   surrogates, no nesting deeper than the parser allows;
 - the request's shape and limits (`validate_request`), which returns the request in canonical
-  form: structured instructions and text states as their JSON text, null criteria as their key,
-  no criteria on noul questions;
+  form: instructions and descriptions sent as JSON objects or arrays become their JSON text;
 - the response body (`response_body`): answers in the upstream worker's key order.
 
 Checks that need the export (special tokens, image decoding, max_length) stay in the compiler.
@@ -148,10 +147,10 @@ def decode_request(data: bytes) -> dict:
 def validate_request(request) -> dict:
     """Check a parsed request against the contract; return it in canonical form (a new dict).
 
-    Canonical form: instructions and descriptions given as JSON objects or arrays become their
-    JSON text (as the upstream worker reads them), a null choice criterion becomes its key, a noul
-    question has no criteria, an object or array state (other than {image} and {messages}) becomes
-    its JSON text. Nothing is tokenized or decoded here.
+    Canonical form: instructions and choice descriptions sent as JSON objects or arrays become
+    their JSON text, as the upstream worker reads them (Valen's prompt takes text there);
+    everything else is as sent (an object state is serialised by the compiler, a null description
+    means its key there). Nothing is tokenized or decoded here.
     """
     if not isinstance(request, dict):
         raise BodyError("body", "the request must be a JSON object")
@@ -210,11 +209,16 @@ def _questions(questions) -> dict:
         if not instructions.strip():
             raise RequestError(f"{field}.instructions", "must be non-empty text")
         criteria = _criteria(kind, question.get("criteria"), f"{field}.criteria")
-        descriptions = [] if criteria is None else list(criteria.values() if isinstance(criteria, dict) else criteria)
-        chars = len(instructions) + sum(len(d) for d in descriptions)  # noul's fixed candidates are not the client's text
+        if criteria is None:  # noul: its fixed candidates are not the client's text
+            descriptions = []
+        elif isinstance(criteria, dict):
+            descriptions = [key if description is None else description for key, description in criteria.items()]
+        else:
+            descriptions = criteria
+        chars = len(instructions) + sum(len(d) for d in descriptions)
         if chars > MAX_TEXT:
             raise RequestError(field, f"instructions and descriptions are {chars} characters together; the limit is {MAX_TEXT} per question")
-        canonical[qid] = {"type": kind, "instructions": instructions}
+        canonical[qid] = {**question, "instructions": instructions}
         if criteria is not None:
             canonical[qid]["criteria"] = criteria
     return canonical
@@ -236,9 +240,10 @@ def _criteria(kind: str, criteria, field: str):
             _name(key, item_field, "option key")
             if not key.strip():
                 raise RequestError(item_field, "option key must not be only whitespace")
-            description = key if description is None else _as_text(description, item_field, "description")
-            if not description.strip():
-                raise RequestError(item_field, "description must be non-empty text")
+            if description is not None:  # null means the key (the compiler substitutes it)
+                description = _as_text(description, item_field, "description")
+                if not description.strip():
+                    raise RequestError(item_field, "description must be non-empty text")
             canonical[key] = description
         return canonical
     if not isinstance(criteria, list):
@@ -274,12 +279,13 @@ def _state(state):
         if list(state) != ["image"]:
             raise RequestError("state", f"an image state holds exactly one image and no other key, got keys {sorted(map(str, state))}")
         _check_image_url(state["image"], "state.image")
-        return {"image": state["image"]}
+        return state
     if isinstance(state, dict) and list(state) == ["messages"]:
         _check_messages(state["messages"])
-        return {"messages": state["messages"]}
+        return state
     if isinstance(state, (dict, list)):
-        return _check_text_state(_as_text(state, "state", "state"))
+        _check_text_state(_as_text(state, "state", "state"))  # limited as the JSON text the compiler builds
+        return state
     raise RequestError("state", "must be text, a JSON object or array, {image: data URL} or {messages: [...]}")
 
 
