@@ -511,7 +511,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 @contextlib.contextmanager
 def _stop_on_signal_before_ready():
-    """SIGTERM / SIGINT while loading or warming up: stop at once, exit 0 (nothing is in flight)."""
+    """SIGTERM / SIGINT while starting (imports, loading, warmup): stop at once, exit 0 (nothing is in flight)."""
 
     def stop(signum, frame):
         log.info({"event": "stopped", "reason": f"signal {signum} before ready"})
@@ -523,6 +523,31 @@ def _stop_on_signal_before_ready():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _start(export_dir, host, port, device, dtype, mode, temperature, calibration, queue_size, request_timeout, read_timeout,
+           warmup, compile_, graphs) -> tuple[Executor, Settings, str, socket.socket]:
+    """Check the options, bind the port, load and warm up: (executor, settings, device, socket)."""
+    import torch
+
+    from .answers import load_temperature
+    from .engine import Engine
+
+    settings = Settings(queue_size=queue_size, request_timeout=request_timeout, read_timeout=read_timeout)
+    if temperature is not None and calibration is not None:
+        raise ValenError("--temperature and --calibration are mutually exclusive")
+    temp = load_temperature(calibration) if calibration is not None else (1.0 if temperature is None else temperature)
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sock = _bind(host, port)
+
+    def load():
+        return Engine.load(export_dir, device=dev, dtype=dtype, verify="full", mode=mode, temperature=temp, compile=compile_, graphs=graphs)
+
+    full = warmup == "full" or (warmup == "auto" and dev.startswith("cuda"))
+    executor = Executor(load, warmup_requests(full))
+    log.info({"event": "loading", "export": str(export_dir), "device": dev, "dtype": dtype, "warmup": "full" if full else "basic"})
+    executor.start()
+    return executor, settings, dev, sock
 
 
 @click.command(name="valen-serve")
@@ -550,30 +575,13 @@ def main(export_dir, host, port, device, dtype, mode, temperature, calibration, 
     """
     _configure_logging()
     try:
-        import torch
-
-        from .answers import load_temperature
-        from .engine import Engine
-
-        settings = Settings(queue_size=queue_size, request_timeout=request_timeout, read_timeout=read_timeout)
-        if temperature is not None and calibration is not None:
-            raise ValenError("--temperature and --calibration are mutually exclusive")
-        temp = load_temperature(calibration) if calibration is not None else (1.0 if temperature is None else temperature)
-        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        sock = _bind(host, port)
-
-        def load():
-            return Engine.load(export_dir, device=dev, dtype=dtype, verify="full", mode=mode, temperature=temp, compile=compile_, graphs=graphs)
-
-        full = warmup == "full" or (warmup == "auto" and dev.startswith("cuda"))
-        executor = Executor(load, warmup_requests(full))
-        log.info({"event": "loading", "export": str(export_dir), "device": dev, "dtype": dtype, "warmup": "full" if full else "basic"})
         with _stop_on_signal_before_ready():
-            executor.start()
+            executor, settings, dev, sock = _start(export_dir, host, port, device, dtype, mode, temperature, calibration,
+                                                   queue_size, request_timeout, read_timeout, warmup, compile_, graphs)
     except (ValenError, ValueError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
-
+    import torch
     import uvicorn
 
     server = None
