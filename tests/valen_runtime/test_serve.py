@@ -531,7 +531,6 @@ def _export_with_failing_template(source, tmp_path):
     return broken
 
 
-@pytest.mark.slow
 def test_internal_failure_is_500_and_a_late_answer_is_503(tiny_export, tmp_path, engine):
     server = Worker(_export_with_failing_template(tiny_export["separate"], tmp_path), tmp_path, "--request-timeout", "1.5")
     try:
