@@ -2,9 +2,10 @@
 
 Starts `valen-serve` on 127.0.0.1 (a free port) for an export, then:
 1. the first requests after /health is ready, one of each kind (what warmup did not cover shows here);
-2. for each concurrency (default 1, 8, 32): closed-loop clients on keep-alive connections send the
-   request mix until --requests answers or --duration seconds, whichever comes first;
-   p50 / p99 / mean latency per kind and in all, requests/s, status counts;
+2. for each concurrency (default 1, 8, 32): closed-loop clients on keep-alive connections (asyncio,
+   one thread) send the request mix until --requests answers or --duration seconds, whichever
+   comes first; p50 / p99 / mean latency per kind and in all as the client sees it, the same from
+   the server's log (total, waiting in the queue, running), requests/s, status counts;
 3. memory: --leak-requests more requests (default 10,000) at --leak-concurrency, the server's RSS
    (and on CUDA its GPU memory from nvidia-smi) sampled 20 times, with the slope over the second half;
 4. SIGTERM, and the server's exit code.
@@ -21,7 +22,7 @@ text, one choice of two), "image" a_image448_7branch (a 448 x 448 image and text
 from __future__ import annotations
 
 import argparse
-import http.client
+import asyncio
 import json
 import math
 import os
@@ -75,6 +76,8 @@ class Server:
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[dict] = []
+        self.timings: list[tuple[float, float, float]] = []  # (ms, queue_ms, run_ms) of answered requests, from the server's log
+        self._lock = threading.Lock()
         self.ready = threading.Event()
         threading.Thread(target=self._collect, daemon=True).start()
         if not self.ready.wait(startup_timeout) or self.proc.poll() is not None:
@@ -91,17 +94,26 @@ class Server:
                 line = json.loads(raw)
             except ValueError:
                 line = {"raw": raw.rstrip()}
-            if line.get("event") != "request":  # request lines would grow without bound over 10,000 requests
+            if line.get("event") != "request":  # request lines are kept as three numbers, not dicts
                 self.lines.append(line)
+            elif line.get("status") == 200:
+                with self._lock:
+                    self.timings.append((line["ms"], line["queue_ms"], line["run_ms"]))
             if line.get("event") == "ready":
                 self.ready.set()
         self.ready.set()
 
-    def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise RuntimeError("no VmRSS")
+    def take_timings(self) -> dict:
+        """Server-side percentiles (the log's ms, queue_ms, run_ms) of the requests answered since the last call."""
+        time.sleep(0.2)  # a request's log line follows its answer
+        with self._lock:
+            taken, self.timings = self.timings, []
+        return {name: summarize([t[i] / 1e3 for t in taken]) for i, name in enumerate(("total", "queue", "run"))}
+
+    def memory_mib(self) -> tuple[float, float]:
+        """The server's resident set now and its peak so far (VmRSS, VmHWM), in MiB."""
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines() if ":" in line)
+        return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
     def gpu_mib(self) -> float | None:
         if shutil.which("nvidia-smi") is None:
@@ -119,75 +131,79 @@ class Server:
         return self.proc.wait(timeout=timeout)
 
 
-class Client:
-    """One keep-alive connection; reconnects after an error."""
+class Connection:
+    """One keep-alive HTTP/1.1 connection driven by asyncio: many of them cost the load generator
+    one thread, so its own scheduling does not inflate what it measures."""
 
     def __init__(self, port: int):
         self.port = port
-        self.conn = None
+        self.reader = self.writer = None
 
-    def post(self, body: bytes) -> tuple[int, bytes]:
+    async def post(self, body: bytes) -> tuple[int, bytes]:
         for attempt in range(2):
             try:
-                if self.conn is None:
-                    self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-                self.conn.request("POST", "/v1/systemone", body, {"Content-Type": "application/json"})
-                response = self.conn.getresponse()
-                return response.status, response.read()
-            except (OSError, http.client.HTTPException):
-                self.conn.close()
-                self.conn = None
+                if self.writer is None:
+                    self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+                self.writer.write(b"POST /v1/systemone HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await self.writer.drain()
+                status = int((await self.reader.readline()).split(b" ", 2)[1])
+                headers = {}
+                while (line := await self.reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = line.partition(b":")
+                    headers[name.strip().lower()] = value.strip()
+                data = await self.reader.readexactly(int(headers[b"content-length"]))
+                if headers.get(b"connection", b"").lower() == b"close":
+                    self.close()
+                return status, data
+            except (OSError, ValueError, IndexError, KeyError, asyncio.IncompleteReadError):
+                self.close()
                 if attempt:
                     raise
         raise AssertionError("unreachable")
 
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
 
-def run_phase(port: int, bodies: dict[str, bytes], expected: dict[str, bytes], schedule: list[str], concurrency: int,
-              max_requests: int, max_seconds: float, on_progress=None) -> dict:
-    """Closed loop: `concurrency` clients, each sends its next request when its last one is answered."""
-    lock = threading.Lock()
-    issued = [0]
+
+async def run_phase(port: int, bodies: dict[str, bytes], expected: dict[str, bytes], schedule: list[str], concurrency: int,
+                    max_requests: int, max_seconds: float, on_progress=None) -> dict:
+    """Closed loop: `concurrency` connections, each sends its next request when its last one is answered."""
+    issued = 0
     latencies: dict[str, list[float]] = {kind: [] for kind in bodies}
     statuses: dict[str, int] = {}
-    mismatches = [0]
+    mismatches = 0
     deadline = time.perf_counter() + max_seconds
 
-    def worker() -> None:
-        client = Client(port)
-        while time.perf_counter() < deadline:
-            with lock:
-                if issued[0] >= max_requests:
-                    break
-                n = issued[0]
-                issued[0] += 1
-            kind = schedule[n % len(schedule)]
+    async def client() -> None:
+        nonlocal issued, mismatches
+        connection = Connection(port)
+        while time.perf_counter() < deadline and issued < max_requests:
+            kind = schedule[issued % len(schedule)]
+            issued += 1
             t = time.perf_counter()
             try:
-                status, data = client.post(bodies[kind])
-            except (OSError, http.client.HTTPException) as exc:
+                status, data = await connection.post(bodies[kind])
+            except (OSError, ValueError, IndexError, KeyError, asyncio.IncompleteReadError) as exc:
                 status, data = f"error:{type(exc).__name__}", b""
             elapsed = time.perf_counter() - t
-            with lock:
-                statuses[str(status)] = statuses.get(str(status), 0) + 1
-                if status == 200:
-                    latencies[kind].append(elapsed)
-                    if data != expected[kind]:  # the same request must get the same answer under load
-                        mismatches[0] += 1
-                done = sum(statuses.values())
+            statuses[str(status)] = statuses.get(str(status), 0) + 1
+            if status == 200:
+                latencies[kind].append(elapsed)
+                mismatches += data != expected[kind]  # the same request must get the same answer under load
             if on_progress is not None:
-                on_progress(done)
+                on_progress(sum(statuses.values()))
+        connection.close()
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     t0 = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     answered = sum(len(v) for v in latencies.values())
     return {
         "concurrency": concurrency, "wall_s": round(wall, 3), "answered": answered, "requests_per_s": round(answered / wall, 2),
-        "statuses": statuses, "answers_differing_from_the_first": mismatches[0],
+        "statuses": statuses, "answers_differing_from_the_first": mismatches,
         "latency": {"all": summarize([x for v in latencies.values() for x in v]), **{k: summarize(v) for k, v in latencies.items()}},
     }
 
@@ -241,11 +257,17 @@ def main() -> None:
               "mix": args.mix, "leak_mix": args.leak_mix or args.mix, "requests": {k: KINDS[k] for k in kinds},
               "host": {"cpus": os.cpu_count(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}}
     try:
-        client = Client(server.port)
+        async def post_once(body: bytes) -> tuple[int, bytes]:
+            connection = Connection(server.port)
+            try:
+                return await connection.post(body)
+            finally:
+                connection.close()
+
         first, expected = {}, {}
         for kind in kinds:  # the first request of each kind after ready: warmup should have paid its compile
             t = time.perf_counter()
-            status, data = client.post(bodies[kind])
+            status, data = asyncio.run(post_once(bodies[kind]))
             first[kind] = {"status": status, "ms": round((time.perf_counter() - t) * 1e3, 3)}
             if status != 200:
                 raise SystemExit(f"{kind}: status {status}: {data[:300]!r}")
@@ -253,41 +275,44 @@ def main() -> None:
             answer = json.loads(data)
             first[kind]["usage"] = answer["usage"]
         result["first_after_ready"] = first
+        server.take_timings()
         print(f"first after ready: {json.dumps(first)}", flush=True)
 
         result["load"] = []
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
-            phase = run_phase(server.port, bodies, expected, schedule, concurrency, args.requests, args.duration)
+            phase = asyncio.run(run_phase(server.port, bodies, expected, schedule, concurrency, args.requests, args.duration))
+            phase["server_side"] = server.take_timings()
             result["load"].append(phase)
-            lat = phase["latency"]["all"]
+            lat, srv = phase["latency"]["all"], phase["server_side"]
             print(f"concurrency {concurrency:>3}: {phase['answered']} answered in {phase['wall_s']} s, {phase['requests_per_s']} req/s, "
-                  f"p50 {lat.get('p50_ms')} ms, p99 {lat.get('p99_ms')} ms, statuses {phase['statuses']}", flush=True)
+                  f"p50 {lat.get('p50_ms')} ms, p99 {lat.get('p99_ms')} ms (server: run p50 {srv['run'].get('p50_ms')} ms, "
+                  f"queue p99 {srv['queue'].get('p99_ms')} ms), statuses {phase['statuses']}", flush=True)
 
         samples = []
         every = max(1, args.leak_requests // 20)
         next_mark = [0]
-        sample_lock = threading.Lock()
 
-        def sample(done: int) -> None:
-            with sample_lock:
-                if done >= next_mark[0]:
-                    next_mark[0] = done + every
-                    samples.append({"answered": done, "rss_mib": round(server.rss_mib(), 1), "gpu_mib": server.gpu_mib(), "t_s": round(time.perf_counter() - leak_t0, 2)})
+        def sample(done: int, force: bool = False) -> None:
+            if done >= next_mark[0] or force:
+                next_mark[0] = done + every
+                rss, peak = server.memory_mib()
+                samples.append({"answered": done, "rss_mib": round(rss, 1), "peak_rss_mib": round(peak, 1), "gpu_mib": server.gpu_mib(),
+                                "t_s": round(time.perf_counter() - leak_t0, 2)})
 
         leak_t0 = time.perf_counter()
         sample(0)
-        phase = run_phase(server.port, bodies, expected, leak_schedule, args.leak_concurrency, args.leak_requests, args.leak_duration, sample)
-        with sample_lock:
-            samples.append({"answered": sum(phase["statuses"].values()), "rss_mib": round(server.rss_mib(), 1), "gpu_mib": server.gpu_mib(),
-                            "t_s": round(time.perf_counter() - leak_t0, 2)})
+        phase = asyncio.run(run_phase(server.port, bodies, expected, leak_schedule, args.leak_concurrency, args.leak_requests, args.leak_duration, sample))
+        phase["server_side"] = server.take_timings()
+        sample(sum(phase["statuses"].values()), force=True)
         half = [s for s in samples if s["answered"] >= samples[-1]["answered"] / 2]
         xs, ys = [s["answered"] for s in half], [s["rss_mib"] for s in half]
         slope = statistics.linear_regression(xs, ys).slope * 1000 if len(set(xs)) > 1 else None
         result["memory"] = {"phase": phase, "samples": samples, "rss_mib_first": samples[0]["rss_mib"], "rss_mib_last": samples[-1]["rss_mib"],
-                            "rss_mib_max": max(s["rss_mib"] for s in samples), "rss_slope_mib_per_1000_second_half": None if slope is None else round(slope, 3)}
+                            "peak_rss_mib_first": samples[0]["peak_rss_mib"], "peak_rss_mib_last": samples[-1]["peak_rss_mib"],
+                            "rss_slope_mib_per_1000_second_half": None if slope is None else round(slope, 3)}
         print(f"memory over {phase['answered']} requests ({phase['requests_per_s']} req/s): RSS {samples[0]['rss_mib']} -> {samples[-1]['rss_mib']} MiB, "
-              f"max {result['memory']['rss_mib_max']}, second-half slope {result['memory']['rss_slope_mib_per_1000_second_half']} MiB per 1000; "
-              f"statuses {phase['statuses']}", flush=True)
+              f"peak {samples[0]['peak_rss_mib']} -> {samples[-1]['peak_rss_mib']} MiB, second-half slope "
+              f"{result['memory']['rss_slope_mib_per_1000_second_half']} MiB per 1000; statuses {phase['statuses']}", flush=True)
     finally:
         result["host"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
         result["exit_code_after_sigterm"] = server.stop()

@@ -499,7 +499,9 @@ def _configure_logging() -> None:
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP: asyncio turns Nagle's algorithm off only on sockets that say they are TCP;
+    # with proto 0, every answer on a kept-alive connection waited for a delayed ACK (40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -526,7 +528,7 @@ def _stop_on_signal_before_ready():
 
 
 def _start(export_dir, host, port, device, dtype, mode, temperature, calibration, queue_size, request_timeout, read_timeout,
-           warmup, compile_, graphs) -> tuple[Executor, Settings, str, socket.socket]:
+           threads, warmup, compile_, graphs) -> tuple[Executor, Settings, str, socket.socket]:
     """Check the options, bind the port, load and warm up: (executor, settings, device, socket)."""
     import torch
 
@@ -538,6 +540,8 @@ def _start(export_dir, host, port, device, dtype, mode, temperature, calibration
         raise ValenError("--temperature and --calibration are mutually exclusive")
     temp = load_temperature(calibration) if calibration is not None else (1.0 if temperature is None else temperature)
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if threads is not None:
+        torch.set_num_threads(threads)
     sock = _bind(host, port)
 
     def load():
@@ -562,10 +566,11 @@ def _start(export_dir, host, port, device, dtype, mode, temperature, calibration
 @click.option("--queue-size", default=Settings.queue_size, show_default=True, type=int, help="Requests admitted beyond the one running; one more is answered 503.")
 @click.option("--request-timeout", default=Settings.request_timeout, show_default=True, type=float, help="Seconds from admission to answer; past it 503.")
 @click.option("--read-timeout", default=Settings.read_timeout, show_default=True, type=float, help="Seconds for a request's headers, and for its body; past it 408.")
+@click.option("--threads", type=click.IntRange(1, None), default=None, help="torch CPU threads (default: torch's, one per core); 1 keeps a busy shared machine from stalling the model's parallel loops.")
 @click.option("--warmup", type=click.Choice(["auto", "basic", "full"]), default="auto", show_default=True, help="basic: one text and one image request; full: every shape family the CUDA fast path compiles (auto: full on CUDA).")
 @click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile the CUDA fast path (default: on for CUDA).")
 @click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=None, help="Capture CUDA graphs (default: on for CUDA).")
-def main(export_dir, host, port, device, dtype, mode, temperature, calibration, queue_size, request_timeout, read_timeout, warmup, compile_, graphs) -> None:
+def main(export_dir, host, port, device, dtype, mode, temperature, calibration, queue_size, request_timeout, read_timeout, threads, warmup, compile_, graphs) -> None:
     """Serve an export as a System1-Omni worker: POST /v1/systemone, GET /health.
 
     \b
@@ -577,7 +582,7 @@ def main(export_dir, host, port, device, dtype, mode, temperature, calibration, 
     try:
         with _stop_on_signal_before_ready():
             executor, settings, dev, sock = _start(export_dir, host, port, device, dtype, mode, temperature, calibration,
-                                                   queue_size, request_timeout, read_timeout, warmup, compile_, graphs)
+                                                   queue_size, request_timeout, read_timeout, threads, warmup, compile_, graphs)
     except (ValenError, ValueError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -597,7 +602,7 @@ def main(export_dir, host, port, device, dtype, mode, temperature, calibration, 
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     log.info({"event": "ready", "url": f"http://{url_host}:{bound_port}", "port": bound_port, "device": dev,
               "device_name": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else (platform.processor() or platform.machine()),
-              "dtype": dtype, **executor.engine_info, **{k: round(v, 3) for k, v in executor.timings.items()},
+              "dtype": dtype, "torch_threads": torch.get_num_threads(), **executor.engine_info, **{k: round(v, 3) for k, v in executor.timings.items()},
               "queue_size": settings.queue_size, "request_timeout_s": settings.request_timeout, "read_timeout_s": settings.read_timeout,
               "versions": {"python": platform.python_version(), "torch": torch.__version__, "uvicorn": uvicorn.__version__}})
     server.run(sockets=[sock])

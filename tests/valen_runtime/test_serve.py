@@ -596,3 +596,26 @@ def test_first_requests_after_ready_do_not_compile(tiny_export, tmp_path):
             assert status == 200 and time.monotonic() - t0 < 5.0, (request["questions"].keys(), time.monotonic() - t0)
     finally:
         assert server.stop() == 0
+
+
+def test_accepted_connections_turn_nagles_algorithm_off():
+    """Answers on kept-alive connections must not wait for a delayed ACK: asyncio sets TCP_NODELAY
+    only on sockets created as TCP, which is what _bind must create."""
+    import asyncio
+
+    from valen_runtime.serve import _bind
+
+    async def nodelay_of_an_accepted_connection() -> int:
+        sock = _bind("127.0.0.1", 0)
+        accepted = asyncio.get_running_loop().create_future()
+        server = await asyncio.start_server(lambda reader, writer: accepted.set_result(writer), sock=sock)
+        _, client = await asyncio.open_connection(*sock.getsockname()[:2])
+        writer = await accepted
+        value = writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        for w in (client, writer):
+            w.close()
+        server.close()
+        await server.wait_closed()
+        return value
+
+    assert asyncio.run(nodelay_of_an_accepted_connection()) != 0
