@@ -8,10 +8,12 @@ usage errors print one line, no traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -123,27 +125,43 @@ def run(
         todo += _read_requests(requests_file)
     if not todo:
         raise harness.UsageProblem("nothing to run: give --case and/or --requests")
-    ref = harness.run_reference(
-        checkpoint, base, [(f"{c}/{n}", r) for c, n, r in todo], device=device, dtype=dtype,
-        valen_source=valen_source, threads=threads, cache_dir=reference_cache,
-    )
-    previous = torch.get_num_threads()
+    with _signals_unwind():  # so the reference's temporary folder is removed on SIGTERM / SIGHUP too
+        ref = harness.run_reference(
+            checkpoint, base, [(f"{c}/{n}", r) for c, n, r in todo], device=device, dtype=dtype,
+            valen_source=valen_source, threads=threads, cache_dir=reference_cache,
+        )
+        previous = torch.get_num_threads()
+        try:
+            problems = harness.check_pins(pins_data, manifest, ref, base)
+            if problems:
+                raise harness.UsageProblem("; ".join(problems))
+            setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads, kernels, graphs, lora_gemm, layout)
+            if threads:
+                torch.set_num_threads(threads)
+            return harness.evaluate(setup, todo, ref, tol, manifest, manifest_sha)
+        finally:
+            torch.set_num_threads(previous)
+            if not ref.cached:  # the reference's temporary folder (a cache hit is the cache's own folder)
+                shutil.rmtree(ref.out_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _signals_unwind():
+    """SIGTERM and SIGHUP raise SystemExit(128 + signal) inside, where they still have their default
+    action and this is the main thread; the previous handlers come back afterwards."""
+    def unwind(signum, frame):
+        raise SystemExit(128 + signum)
+
+    taken = []
+    if threading.current_thread() is threading.main_thread():
+        taken = [sig for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) is signal.SIG_DFL]
+    for sig in taken:
+        signal.signal(sig, unwind)
     try:
-        problems = harness.check_pins(pins_data, manifest, ref, base)
-        if problems:
-            raise harness.UsageProblem("; ".join(problems))
-        setup = harness.Setup(export, checkpoint, base, device, dtype, mode, valen_source, threads, kernels, graphs, lora_gemm, layout)
-        if threads:
-            torch.set_num_threads(threads)
-        return harness.evaluate(setup, todo, ref, tol, manifest, manifest_sha)
+        yield
     finally:
-        torch.set_num_threads(previous)
-        if not ref.cached:  # the reference's temporary folder (a cache hit is the cache's own folder)
-            shutil.rmtree(ref.out_dir, ignore_errors=True)
-
-
-def _exit_on_signal(signum, frame):
-    raise SystemExit(128 + signum)
+        for sig in taken:
+            signal.signal(sig, signal.SIG_DFL)
 
 
 @click.command(name="valen-parity")
@@ -172,8 +190,6 @@ def main(export, checkpoint, base, case, requests_file, device, dtype, mode, pin
     Example:
       valen-parity --export build/export --checkpoint ckpt --base qwen --case all --dtype fp32 --report r.json
     """
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind, so temporary folders are removed
-        signal.signal(sig, _exit_on_signal)
     try:
         if mode is None:
             mode = "shared-prefix" if str(device).startswith("cuda") else "per-branch"
