@@ -25,6 +25,7 @@ import io
 import json
 import logging
 import math
+import os
 import platform
 import queue
 import re
@@ -517,7 +518,9 @@ def _stop_on_signal_before_ready():
 
     def stop(signum, frame):
         log.info({"event": "stopped", "reason": f"signal {signum} before ready"})
-        raise SystemExit(0)
+        sys.stderr.flush()
+        # At once: the executor thread may be inside torch, which interpreter shutdown must not race.
+        os._exit(0)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -511,7 +511,7 @@ def test_sigterm_while_loading_exits_0_without_listening(tiny_export, tmp_path):
     assert json.loads(first)["event"] == "loading", first
     proc.send_signal(signal.SIGTERM)
     rest = proc.stderr.read()
-    assert proc.wait(timeout=60) == 0
+    assert proc.wait(timeout=60) == 0, rest
     assert '"event": "stopped"' in rest and '"event": "ready"' not in rest and "Traceback" not in rest, rest
 
 
