@@ -14,6 +14,8 @@
 #      control (each must fail); the truth-relative GPU tests beside it. Alone: STEPS=gate, about 8 min
 #      within the default BUDGET=560 (work not started in time is skipped and reported; GATE_SHARDS,
 #      GATE_ARGS adjust it).
+#   "serve" (not in the default STEPS; run it alone: STEPS=serve): benchmarks/serve_load.py, valen-serve under
+#   load on the 2b separate export (SERVE_ARGS adds options, e.g. --leak-requests 2000).
 set -uo pipefail
 FINAL=${OUT:-/tmp/valen-gpu-out}
 OUT=/tmp/valen-gpu-results  # many small files; packed into one archive at the end ($OUT takes 8 files)
@@ -22,6 +24,9 @@ STEPS=${STEPS:-"tests latency parity"}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/transformers-*.whl .whl/tokenizers-*.whl .whl/peft-*.whl \
   .whl/jsonschema-*.whl .whl/jsonschema_specifications-*.whl .whl/referencing-*.whl .whl/rpds_py-*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl || exit 1
+if [[ " $STEPS " == *" serve "* ]]; then  # valen-serve's HTTP stack
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/uvicorn-*.whl .whl/starlette-*.whl .whl/h11-*.whl .whl/anyio-*.whl || exit 1
+fi
 export PYTHONPATH="$PWD:/tmp/site:/tmp/site-fla"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
@@ -92,6 +97,12 @@ if [[ " $STEPS " == *" gate "* ]]; then
   grep -E "truth-relative:|passed|failed|error" "$OUT/gate-tests.log" | tail -8
   echo "gate: separate exit $SEP_RC, merged exit $MERGED_RC (0 = every configuration passed and every control failed); truth-relative GPU tests exit $TESTS_RC"
 fi
+
+if [[ " $STEPS " == *" serve "* ]]; then  # builds fixture-2b and export-2b-separate when missing (as the parity step)
+  timeout $(cap ${SERVE_TIMEOUT:-540}) python3 benchmarks/serve_load.py --export "$WORK/export-2b-separate" --build 2b --device cuda \
+    --out "$OUT/serve-load.json" --requests 1000 --duration 30 --leak-duration 150 --startup-timeout 360 ${SERVE_ARGS:-} > "$OUT/serve-load.log" 2>&1
+  echo "serve: exit $?"; tail -8 "$OUT/serve-load.log"
+fi
 if [[ " $STEPS " == *" tests "* ]]; then
   # The files holding gpu-marked tests (the others import what this machine may lack, e.g. hypothesis).
   timeout $(cap ${TESTS_TIMEOUT:-300}) python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/fast tests/valen_runtime/test_engine.py \
@@ -103,3 +114,4 @@ ls -la "$OUT"
 tar -czf "$FINAL/gpu-results.tar.gz" -C "$OUT" .
 cp "$OUT/latency.json" "$FINAL/" 2>/dev/null || true
 cp "$OUT/gate-summary.txt" "$FINAL/" 2>/dev/null || true
+cp "$OUT/serve-load.json" "$FINAL/" 2>/dev/null || true

@@ -9,8 +9,12 @@ built); usage errors print one line, no traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -22,25 +26,71 @@ from .reference_run import start_reference
 from .runtime_adapter import EngineOptions
 
 
+# A --requests file holds at most this many bytes (eight requests at the 8 MiB body limit).
+MAX_REQUESTS_FILE = 64 * 1024 * 1024
+
+
 def _read_requests(path: Path) -> list[tuple[str, str, dict]]:
+    """One wire request per line, each read and checked as valen-serve reads a body (wire.py):
+    never more than 8 MiB + 2 bytes of a line are read, and the whole file is bounded too."""
+    from valen_runtime.errors import RequestError
+    from valen_runtime.wire import MAX_BODY, BodyError, decode_request
+
+    out, total = [], 0
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageProblem(f"{path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            req = json.loads(line)
-        except ValueError as e:
-            raise UsageProblem(f"{path}:{n}: not a JSON request ({e})") from None
-        if not isinstance(req, dict):
-            raise UsageProblem(f"{path}:{n}: a request must be a JSON object")
-        out.append(("requests", f"line{n}", req))
+        with open(path, "rb") as handle:
+            for n, line in enumerate(iter(lambda: handle.readline(MAX_BODY + 2), b""), 1):
+                total += len(line)
+                if total > MAX_REQUESTS_FILE:
+                    raise UsageProblem(f"{path}: more than {MAX_REQUESTS_FILE} bytes; split the requests over several runs")
+                body = line.rstrip(b"\r\n")
+                if len(body) > MAX_BODY:
+                    raise UsageProblem(f"{path}:{n}: longer than the {MAX_BODY}-byte body limit")
+                if not body.strip():
+                    continue
+                try:
+                    req = decode_request(body)
+                except BodyError as e:
+                    raise UsageProblem(f"{path}:{n}: not a JSON request ({e})") from None
+                except RequestError as e:
+                    raise UsageProblem(f"{path}:{n}: refused by the wire contract ({e})") from None
+                out.append(("requests", f"line{n}", req))
+    except OSError as e:
+        raise UsageProblem(f"{path}: cannot read ({e.strerror or e})") from None
     if not out:
         raise UsageProblem(f"{path}: holds no request")
     return out
+
+
+def _check_export_files(export: Path) -> None:
+    """Every file the export's manifest lists, re-hashed: a damaged export is refused, not compared."""
+    from valen_runtime.errors import ValenError
+    from valen_runtime.manifest import Manifest
+
+    try:
+        Manifest.load(export).require_files("full")
+    except ValenError as e:
+        raise UsageProblem(f"{e}; the export does not match its manifest, nothing was compared") from None
+
+
+@contextlib.contextmanager
+def _signals_unwind():
+    """SIGTERM and SIGHUP raise SystemExit(128 + signal) inside, where they still have their default
+    action and this is the main thread, so temporary folders are removed on the way out; the
+    previous handlers come back afterwards."""
+    def unwind(signum, frame):
+        raise SystemExit(128 + signum)
+
+    taken = []
+    if threading.current_thread() is threading.main_thread():
+        taken = [sig for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) is signal.SIG_DFL]
+    for sig in taken:
+        signal.signal(sig, unwind)
+    try:
+        yield
+    finally:
+        for sig in taken:
+            signal.signal(sig, signal.SIG_DFL)
 
 
 def select_gate(tolerances_path: Path, lora: str, options: EngineOptions) -> tolerances.Gate:
@@ -94,6 +144,7 @@ def run(
         if not path.is_dir():
             raise UsageProblem(f"{path}: {opt} must be an existing directory")
     manifest, _ = harness.manifest_info(export)
+    _check_export_files(export)
     gate = select_gate(tolerances_path, manifest["lora"]["mode"], options)
     pins_data = None
     if pins is not None:
@@ -113,19 +164,23 @@ def run(
     fp64 = options.device == "cpu" and valen_source is None if fp64 is None else fp64
     dtypes = harness.reference_dtypes(gate, options.device.split(":")[0], fp64)
     ids = [(f"{c}/{n}", r) for c, n, r in requests]
-    jobs = {d: start_reference(checkpoint, base, ids, device=options.device, dtype=d, valen_source=valen_source, threads=threads,
-                               cache_dir=reference_cache, shards=reference_shards) for d in dtypes}
-    try:
-        runs = {role: runtime_adapter.run(export, o, requests, threads=threads) for role, o in needed_runs(gate, options).items()}
-        refs = {d: job.wait() for d, job in jobs.items()}
-    finally:
-        for job in jobs.values():
-            job.stop()
-    problems = harness.check_pins(pins_data, manifest, refs["fp32"], base)
-    if problems:
-        raise UsageProblem("; ".join(problems))
-    setup = harness.Setup(export, checkpoint, base, options, valen_source, threads)
-    return harness.evaluate(setup, requests, refs, gate, runs["main"], runs.get("fp32"), runs.get("anchor"))
+    jobs = {}
+    with _signals_unwind():  # so the reference's temporary folders go on SIGTERM / SIGHUP too
+        try:
+            for d in dtypes:
+                jobs[d] = start_reference(checkpoint, base, ids, device=options.device, dtype=d, valen_source=valen_source,
+                                          threads=threads, cache_dir=reference_cache, shards=reference_shards)
+            runs = {role: runtime_adapter.run(export, o, requests, threads=threads) for role, o in needed_runs(gate, options).items()}
+            refs = {d: job.wait() for d, job in jobs.items()}
+            problems = harness.check_pins(pins_data, manifest, refs["fp32"], base)
+            if problems:
+                raise UsageProblem("; ".join(problems))
+            setup = harness.Setup(export, checkpoint, base, options, valen_source, threads)
+            return harness.evaluate(setup, requests, refs, gate, runs["main"], runs.get("fp32"), runs.get("anchor"))
+        finally:
+            for job in jobs.values():
+                job.stop()
+                job.remove_temporary()
 
 
 def collect_requests(case: str | None, generated: str | None, seed: int, requests_file: Path | None) -> list[tuple[str, str, dict]]:

@@ -157,6 +157,12 @@ class ReferenceJob:
                 shard.process.kill()
                 shard.process.wait()
 
+    def remove_temporary(self) -> None:
+        """Delete the worker folders that are not the cache's (call once their files are read)."""
+        for shard in self.shards:
+            if shard.out is not None:
+                shutil.rmtree(shard.out, ignore_errors=True)
+
 
 def start_reference(
     checkpoint: Path,

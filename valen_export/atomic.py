@@ -2,7 +2,7 @@
 
 The work happens in `.OUT.partial-PID` beside OUT; `commit()` fsyncs it and renames it onto OUT,
 which succeeds only onto a missing or empty directory, so two runs racing for OUT cannot both
-win. Any exception (SIGTERM and Ctrl-C included) removes the partial directory; a SIGKILL leaves
+win. Any exception (SIGTERM, SIGHUP and Ctrl-C included) removes the partial directory; a SIGKILL leaves
 it behind, and the next run into the same parent removes it once its pid is gone. A failed write
 becomes one line naming the file that was being written (`current`).
 """
@@ -93,14 +93,22 @@ def _write_failure(e: OSError, out: Path, current: str) -> ExportError:
 
 
 def _sigterm_unwinds() -> Callable[[], None]:
-    """While a run writes, turn SIGTERM into SystemExit(143) so the temporary directory is removed
-    (SIGINT already unwinds as KeyboardInterrupt). Only from the main thread, and only when SIGTERM
-    still has its default action; returns the function that restores the previous handler."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    """While a run writes, turn SIGTERM and SIGHUP (a closed terminal) into SystemExit(128 + signal)
+    so the temporary directory is removed (SIGINT already unwinds as KeyboardInterrupt). Only from
+    the main thread, and only for signals that still have their default action; returns the
+    function that restores the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def unwind(signum, frame):
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, unwind)
-    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    taken = [sig for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) is signal.SIG_DFL]
+    for sig in taken:
+        signal.signal(sig, unwind)
+
+    def restore() -> None:
+        for sig in taken:
+            signal.signal(sig, signal.SIG_DFL)
+
+    return restore

@@ -1,6 +1,9 @@
 """`valen-run`: answer one request (file or stdin) from an export directory and print the response JSON.
 
-Expected failures (bad request, bad export) print one line to stderr and exit 2.
+The request is read and checked by the wire contract (wire.py) before the export is loaded: at
+most 8 MiB + 1 byte is ever read, from a file or from stdin. The response is the body valen-serve
+sends for the same request. Expected failures (bad request, bad export) print one line to stderr
+and exit 2.
 """
 
 from __future__ import annotations
@@ -39,23 +42,22 @@ def main(export_dir, device, dtype, mode, temperature, calibration, verify, comp
         | valen-run --export build/demo/export-separate -
     """
     from .answers import load_temperature
-    from .request import parse_request_bytes
     from .engine import Engine
     from .options import EngineOptions
+    from .wire import decode_request, encode_response, read_request_source, response_body
 
     try:
         if temperature is not None and calibration is not None:
             raise ValenError("--temperature and --calibration are mutually exclusive")
         temp = load_temperature(calibration) if calibration is not None else (1.0 if temperature is None else temperature)
-        raw = sys.stdin.buffer.read() if request == "-" else Path(request).read_bytes()
-        req = parse_request_bytes(raw)
+        req = decode_request(read_request_source(request))
         options = EngineOptions(device=device, dtype=dtype, mode=mode, compile=compile_, graphs=graphs)
         engine = Engine.load(export_dir, options, verify=verify, temperature=temp)
         result = engine.run(req)
     except (ValenError, ValueError, OSError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    click.echo(json.dumps(result.response, ensure_ascii=False))
+    click.echo(encode_response(response_body(result.response)).decode("utf-8"))
     if timings:
         click.echo(json.dumps({k: round(v, 6) for k, v in result.timings.items()}), err=True)
 

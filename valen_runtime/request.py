@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,18 +23,21 @@ from .errors import ConfigError, RequestError
 from .image import ImageConfig, ImageLimits, decode_image, patch_grid, patchify, resize_for_patches, stack_images
 from .tokenizer import Tokenizer
 
-MODEL_NAME = "valen-preview-0923"
-MAX_BODY = 8 * 1024 * 1024
-MAX_QUESTIONS = 8
-MAX_OPTIONS = 255
-MAX_TEXT = 16384  # characters over all instructions and descriptions of a request
-MAX_NAME = 256  # question names and option keys: 1..256 characters
-MAX_SCORE_LEVELS = 10
-MIN_SCORE_LEVELS = 2
-# Local limit (not in the worker contract): images in one messages state. Each image costs at
-# least min_pixels / (patch * merge)^2 tokens, so max_length bounds the count anyway; this stops a
-# body of many tiny, highly compressed images from being decoded before that check.
-MAX_IMAGES = 16
+# The wire contract (limits, strict JSON, request shape) lives in wire.py; re-exported for callers.
+from .wire import (  # noqa: F401
+    MAX_BODY,
+    MAX_MESSAGE_IMAGES,
+    MAX_NAME,
+    MAX_OPTIONS,
+    MAX_QUESTIONS,
+    MAX_SCORE_LEVELS,
+    MAX_TEXT,
+    MIN_SCORE_LEVELS,
+    MODEL_NAME,
+    parse_request_bytes,
+    validate_request,
+)
+
 DEFAULT_MAX_LENGTH = 8192
 
 QUESTION_TYPES = ("choice", "noul", "score")
@@ -143,48 +145,6 @@ class _ImageItem:
     field: str
 
 
-def parse_request_bytes(data: bytes) -> dict:
-    """Parse a request body: UTF-8 JSON object, no duplicate keys, no NaN / Infinity, <= 8 MiB."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise RequestError("body", "expected bytes")
-    data = bytes(data)
-    if len(data) > MAX_BODY:
-        raise RequestError("body", f"body is {len(data)} bytes; the limit is {MAX_BODY}")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise RequestError("body", f"invalid UTF-8 at byte {exc.start}") from exc
-
-    def no_duplicates(pairs):
-        result = {}
-        for key, value in pairs:
-            if key in result:
-                raise RequestError("body", f"duplicate key {key!r}")
-            result[key] = value
-        return result
-
-    def no_constant(name):
-        raise RequestError("body", f"{name} is not valid JSON")
-
-    def finite_float(literal):
-        value = float(literal)
-        if not math.isfinite(value):
-            raise RequestError("body", f"number {literal} is out of range")
-        return value
-
-    try:
-        value = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant, parse_float=finite_float)
-    except RequestError:
-        raise
-    except RecursionError as exc:
-        raise RequestError("body", "JSON nested too deeply") from exc
-    except ValueError as exc:  # JSONDecodeError, oversized integer literals
-        raise RequestError("body", f"invalid JSON ({exc})") from exc
-    if not isinstance(value, dict):
-        raise RequestError("body", "the request must be a JSON object")
-    return value
-
-
 class Compiler:
     """Builds CompiledRequest objects for one exported model folder."""
 
@@ -242,8 +202,7 @@ class Compiler:
         on_images: called with the state's images once they are decoded and resized, before the
         state is tokenized (not for text-only states); an engine starts the vision tower there.
         """
-        if not isinstance(request, dict):
-            raise RequestError("body", "the request must be a JSON object")
+        request = validate_request(request)  # the wire contract, then what needs the export
         for key in request:
             if key not in ("model", "state", "questions"):
                 raise RequestError(str(key), "unknown field; a request has exactly model, state, questions")
@@ -298,7 +257,6 @@ class Compiler:
         if not 1 <= len(questions) <= MAX_QUESTIONS:
             raise RequestError("questions", f"must hold 1-{MAX_QUESTIONS} questions, got {len(questions)}")
         parsed = []
-        text_chars = 0
         for qid, question in questions.items():
             field = f"questions.{qid}"
             self._check_name(qid, field, "question name")
@@ -314,13 +272,6 @@ class Compiler:
             if not instructions.strip():
                 raise RequestError(f"{field}.instructions", "must be non-empty text")
             candidates = self._parse_criteria(kind, question.get("criteria"), f"{field}.criteria")
-            text_chars += len(instructions)
-            if kind != "noul":
-                text_chars += sum(len(c.description) for c in candidates)
-            if text_chars > MAX_TEXT:
-                raise RequestError(
-                    "questions", f"instructions and descriptions exceed {MAX_TEXT} characters in total"
-                )
             parsed.append(_ParsedQuestion(qid, kind, instructions, candidates))
         return parsed
 
@@ -421,8 +372,8 @@ class Compiler:
                         _only_keys(url, ("url",), url_field)
                         url, url_field = url.get("url"), f"{url_field}.url"
                     images.append(self._parse_data_url(url, url_field))
-                    if len(images) > MAX_IMAGES:
-                        raise RequestError(item_field, f"at most {MAX_IMAGES} images per state")
+                    if len(images) > MAX_MESSAGE_IMAGES:
+                        raise RequestError(item_field, f"at most {MAX_MESSAGE_IMAGES} images per request")
                     items.append({"type": "image"})
                 elif kind in ("video", "video_url"):
                     raise RequestError(f"{item_field}.type", "video input is not supported")

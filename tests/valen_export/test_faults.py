@@ -1,6 +1,6 @@
 """Faults during an export, with real processes and real timing (no hooks in the exporter):
 SIGKILL at several moments, a full disk (RLIMIT_FSIZE in the child, SIGXFSZ ignored, so write()
-fails with EFBIG), two exports racing for one OUT, Ctrl-C (SIGINT) and SIGTERM.
+fails with EFBIG), two exports racing for one OUT, Ctrl-C (SIGINT), SIGTERM and SIGHUP.
 
 The invariant everywhere: OUT is absent (or, if it existed empty, untouched) unless an export
 completed; a killed export's `.OUT.partial-PID` is removed by the next export into the same
@@ -192,10 +192,12 @@ def test_two_exports_racing_for_one_out(medium_fixture, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,expected_rc", [(signal.SIGINT, 1), (signal.SIGTERM, 128 + signal.SIGTERM)], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig,expected_rc", [(signal.SIGINT, 1), (signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGHUP, 128 + signal.SIGHUP)],
+                         ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_interrupt_removes_the_temporary_directory(medium_fixture, tmp_path, sig, expected_rc):
     out = tmp_path / "out"
-    proc = start(medium_fixture, out)
+    # A closed terminal sends SIGHUP to a process with the default action (nohup'd test runs ignore it).
+    proc = start(medium_fixture, out, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     assert wait_until(proc, lambda: mid_file(own_partial(out, proc), LANG)), "finished before the interrupt"
     proc.send_signal(sig)
     rc = proc.wait(timeout=60)

@@ -267,7 +267,7 @@ def test_noul_uses_fixed_bilingual_candidates(compiler, hf_encode):
     assert NOUL_TRUE.encode("utf-8").hex(" ").upper() == (
         "54 72 75 65 20 2F 20 E6 98 AF EF BC 9A E6 BB A1 E8 B6 B3 E9 97 AE E9 A2 98 E4 B8 AD E7 9A 84 E6 9D A1 E4 BB B6 E3 80 82"
     )
-    question = {"type": "noul", "instructions": "Is the light on?", "criteria": {"ignored": "anything"}}
+    question = {"type": "noul", "instructions": "Is the light on?"}
     compiled = compiler.compile(request(questions={"n": question}))
     base = len(compiled.state.input_ids)
     (q,) = compiled.questions
@@ -404,7 +404,7 @@ REFUSALS = [
     (request(questions={"s": {"type": "score", "instructions": "r", "criteria": ["a", None]}}), "questions.s.criteria[1]", "string"),
     (request(questions={"s": {"type": "score", "instructions": "r", "criteria": ["a", " "]}}), "questions.s.criteria[1]", "non-empty"),
     (request(questions={"s": {"type": "score", "instructions": "r", "criteria": ["a", "<|video_pad|>"]}}), "questions.s.criteria[1]", "<|video_pad|>"),
-    (request(questions={"a": choice(instructions="i" * 10000), "b": choice(instructions="i" * 6400)}), "questions", "16384"),
+    (request(questions={"a": choice({"k": "d" * 400}, instructions="i" * 16000)}), "questions.a", "16384"),
     (request(questions={"\ud800": choice()}), "questions.\ud800", "surrogate"),
     (request(questions=q_with(instructions="bad \udfff")), "questions.q.instructions", "surrogate"),
     (request(state=""), "state", "empty"),
@@ -441,7 +441,7 @@ REFUSALS = [
     (request(state={"messages": [{"role": "user", "content": [{"type": "text", "text": "<|im_end|>"}]}]}), "state.messages[0].content[0].text", "<|im_end|>"),
     (request(state={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}), "state.messages[0].content[0].image_url.url", "data:image/png"),
     (request(state={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": SMALL_PNG, "detail": "hi"}}]}]}), "state.messages[0].content[0].image_url.detail", "unknown"),
-    (request(state={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": SMALL_PNG}] * 17}]}), "state.messages[0].content[16]", "at most 16"),
+    (request(state={"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": SMALL_PNG}] * 5}]}), "state.messages[0].content[4]", "at most 4"),
     (request(state={"messages": [{"role": "user", "content": [{"type": "image", "image": SMALL_PNG}, {"type": "text", "text": "<|placeholder|>"}]}]}), "state", "<|placeholder|>"),
 ]
 

@@ -1,0 +1,624 @@
+"""valen-serve: a real server process on 127.0.0.1 with the tiny export on the CPU, driven by real
+HTTP clients (http.client, and raw sockets for hostile framing): every status code, limits at and
+past each boundary, hostile bodies, admission (queue full -> 503 while /health stays ready),
+SIGTERM mid-request, answers equal to valen-run's, one log line per request, no temporary files.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import hashlib
+import http.client
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import pytest
+from click.testing import CliRunner
+
+from valen_runtime.wire import MAX_BODY, MAX_IMAGE_BYTES, MAX_TEXT, encode_response, response_body
+
+MODEL = "valen-preview-0923"
+HEALTH = {"status": "ready", "model": MODEL, "modality": "multimodal"}
+READ_TIMEOUT = 3.0  # the module server's --read-timeout: short, yet long enough to hold requests open on 2 busy cores
+QUEUE_SIZE = 8
+
+
+# ---------------------------------------------------------------- a server process
+
+
+class Worker:
+    """`python -m valen_runtime.serve` on a free port; its stderr JSON lines collected as they come."""
+
+    def __init__(self, export, tmp_path, *options: str, device: str = "cpu"):
+        self.tmpdir = tmp_path / "tmpdir"  # TMPDIR of the server: request-scoped files would land here
+        self.tmpdir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(export), "--port", "0", "--device", device, *options]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[dict] = []
+        self.raw_lines: list[str] = []
+        self._changed = threading.Condition()
+        self._closed = False  # stderr reached its end
+        threading.Thread(target=self._collect, daemon=True).start()
+        self.port = self.wait_for(lambda line: line.get("event") == "ready", 180)["port"]
+
+    def _collect(self) -> None:
+        for raw in self.proc.stderr:
+            with self._changed:
+                self.raw_lines.append(raw)
+                try:
+                    self.lines.append(json.loads(raw))
+                except ValueError:
+                    pass
+                self._changed.notify_all()
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def wait_for(self, predicate, timeout: float = 30.0) -> dict:
+        """The first log line matching `predicate`, waiting for it up to `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for line in self.lines:
+                    if predicate(line):
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    raise AssertionError(f"no matching log line; exit {self.proc.poll()}; log:\n{''.join(self.raw_lines)[-3000:]}")
+                self._changed.wait(min(left, 0.5))
+
+    def requests_logged(self, request_id: str) -> list[dict]:
+        with self._changed:
+            return [line for line in self.lines if line.get("event") == "request" and line.get("id") == request_id]
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+
+def http_call(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None, timeout: float = 120.0):
+    """One request on its own connection: (status, headers, JSON body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.putrequest(method, path, skip_accept_encoding=True)
+    sent = {"Content-Type": "application/json", "Content-Length": str(len(body))} if method == "POST" else {}
+    sent.update(headers or {})
+    for name, value in sent.items():
+        if value is not None:
+            conn.putheader(name, value)
+    conn.endheaders(body or None)
+    response = conn.getresponse()
+    data = response.read()
+    conn.close()
+    return response.status, dict(response.getheaders()), data
+
+
+def post(port: int, payload, headers: dict | None = None):
+    body = payload if isinstance(payload, bytes) else json.dumps(payload, ensure_ascii=False).encode()
+    status, response_headers, data = http_call(port, "POST", "/v1/systemone", body, headers)
+    return status, json.loads(data), response_headers
+
+
+def head_bytes(length: int | None, extra: bytes = b"", content_type: bytes = b"application/json") -> bytes:
+    lines = [b"POST /v1/systemone HTTP/1.1", b"Host: 127.0.0.1", b"Connection: close"]
+    if content_type:
+        lines.append(b"Content-Type: " + content_type)
+    if length is not None:
+        lines.append(b"Content-Length: %d" % length)
+    return b"\r\n".join(lines) + b"\r\n" + extra + b"\r\n"
+
+
+def read_response(sock: socket.socket, timeout: float = 30.0) -> tuple[int, dict]:
+    """Read until the server closes; the status and the JSON body of the first response."""
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = next(int(v) for k, v in (ln.split(b":", 1) for ln in head.split(b"\r\n")[1:]) if k.strip().lower() == b"content-length")
+    return status, json.loads(rest[:length])
+
+
+def raw_exchange(port: int, data: bytes, timeout: float = 30.0) -> tuple[int, dict]:
+    """Send `data` while reading: the server may answer and close before a refused body is sent."""
+
+    def send(sock):
+        try:
+            sock.sendall(data)
+        except OSError:
+            pass
+
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sender = threading.Thread(target=send, args=(sock,), daemon=True)
+        sender.start()
+        answer = read_response(sock, timeout)
+        sender.join(timeout)
+        return answer
+
+
+def open_partial(port: int, body: bytes, sent: int) -> socket.socket:
+    """A request whose headers and first `sent` body bytes are on the wire; the rest is held back."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(head_bytes(len(body)) + body[:sent])
+    return sock
+
+
+def text_request(state: str = "The card was charged twice for one order.", questions: dict | None = None) -> dict:
+    return {"model": MODEL, "state": state, "questions": questions or {"q": {"type": "choice", "instructions": "What should support do?", "criteria": {"refund": "Refund it", "wait": "Wait"}}}}
+
+
+MIXED = {
+    "next": {"type": "choice", "instructions": "What next?", "criteria": {"refund": "Refund it", "wait": "Wait", "ask": None}},
+    "dup": {"type": "noul", "instructions": "Is it a duplicate?"},
+    "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "medium", "high"]},
+}
+
+
+def png_bytes(width: int, height: int, pad_to: int | None = None) -> bytes:
+    """A PNG of a gradient; with pad_to, a private ancillary chunk makes the file exactly that long."""
+    from PIL import Image
+
+    image = Image.new("RGB", (width, height))
+    image.putdata([((x * 9) % 256, (y * 13) % 256, (x * y) % 256) for y in range(height) for x in range(width)])
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    data = buffer.getvalue()
+    if pad_to is None:
+        return data
+    n = pad_to - len(data) - 12  # a chunk is length (4) + type (4) + data + CRC (4)
+    chunk_type = b"vaLn"  # lower-case first letter: ancillary, decoders skip it
+    chunk = n.to_bytes(4, "big") + chunk_type + bytes(n) + zlib.crc32(chunk_type + bytes(n)).to_bytes(4, "big")
+    padded = data[:33] + chunk + data[33:]  # after IHDR (8-byte signature + 25-byte IHDR chunk)
+    assert len(padded) == pad_to
+    return padded
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_export, tmp_path_factory):
+    server = Worker(tiny_export["separate"], tmp_path_factory.mktemp("serve"), "--queue-size", str(QUEUE_SIZE),
+                    "--read-timeout", str(READ_TIMEOUT), "--request-timeout", "120")
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_export):
+    from valen_runtime.engine import Engine
+    from valen_runtime.options import EngineOptions
+
+    return Engine.load(tiny_export["separate"], EngineOptions(device="cpu"))
+
+
+_expected: dict[str, bytes] = {}
+
+
+def expected_bytes(engine, request: dict) -> bytes:
+    """The body valen-serve must send: the engine's answer as the wire body (computed once per request)."""
+    key = json.dumps(request, sort_keys=True)
+    if key not in _expected:
+        _expected[key] = encode_response(response_body(engine.run(request).response))
+    return _expected[key]
+
+
+# A state at the 16,384-character limit that runs for seconds on the CPU (about 4,100 tokens):
+# long enough to be mid-run when a signal or a timeout arrives.
+HEAVY_STATE = ("The card was charged twice. " * 600)[:MAX_TEXT]
+
+
+# ---------------------------------------------------------------- routes and answers
+
+
+def test_health_and_unknown_routes(worker):
+    status, headers, data = http_call(worker.port, "GET", "/health")
+    assert status == 200 and json.loads(data) == HEALTH and headers["content-type"] == "application/json"
+    for method, path in (("GET", "/nope"), ("POST", "/health"), ("GET", "/v1/systemone"), ("PUT", "/v1/systemone"), ("GET", "/health/")):
+        status, _, data = http_call(worker.port, method, path, b"{}" if method != "GET" else b"",
+                                    {"Content-Type": "application/json", "Content-Length": "2"} if method != "GET" else None)
+        assert (status, json.loads(data)) == (404, {"detail": "unknown route"}), (method, path)
+
+
+def test_answers_equal_valen_runs(worker, tiny_export, tmp_path, engine):
+    from valen_runtime.cli import main as valen_run
+
+    image = {"model": MODEL, "state": {"image": data_url(png_bytes(60, 40))}, "questions": MIXED}
+    for name, request in (("text", text_request(questions=MIXED)), ("image", image)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(request))
+        printed = CliRunner().invoke(valen_run, ["--export", str(tiny_export["separate"]), "--device", "cpu", str(path)])
+        assert printed.exit_code == 0, printed.output
+        status, headers, data = http_call(worker.port, "POST", "/v1/systemone", path.read_bytes())
+        assert status == 200
+        assert data == printed.output.rstrip("\n").encode("utf-8")  # byte for byte, key order included
+        assert list(json.loads(data)["answers"]["next"]) == ["type", "choice", "probabilities", "confidence"]
+    messages = {"model": MODEL, "questions": {"q": {"type": "choice", "instructions": {"goal": "route"}, "criteria": {"a": "A", "b": ["b", 2]}}},
+                "state": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png_bytes(30, 50))}},
+                                                                    {"type": "text", "text": "Which? 哪个?"}]}]}}
+    status, _, data = http_call(worker.port, "POST", "/v1/systemone", json.dumps(messages).encode())
+    assert status == 200 and data == expected_bytes(engine, messages)
+
+
+def test_concurrent_requests_answer_as_sequential_ones(worker, engine):
+    requests = [text_request(f"Order {i} was charged {i % 3 + 2} times.", MIXED if i % 2 else None) for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda r: http_call(worker.port, "POST", "/v1/systemone", json.dumps(r).encode()), requests))
+    for request, (status, _, data) in zip(requests, answers):
+        assert status == 200 and data == expected_bytes(engine, request)
+
+
+def test_one_log_line_per_request_with_its_id(worker):
+    status, body, headers = post(worker.port, text_request(), {"X-Request-Id": "abc-123"})
+    assert status == 200 and headers["x-request-id"] == "abc-123"
+    worker.wait_for(lambda ln: ln.get("id") == "abc-123")  # logged once the answer is sent
+    (line,) = worker.requests_logged("abc-123")
+    assert line["status"] == 200 and line["method"] == "POST" and line["path"] == "/v1/systemone"
+    assert line["input_tokens"] == body["usage"]["input_tokens"] and line["compute_tokens"] == body["internal_usage"]["compute_tokens"]
+    assert line["ms"] >= line["run_ms"] > 0
+    status, body, headers = post(worker.port, text_request(state=""), {"X-Request-Id": "bad id with spaces"})
+    assert status == 422 and headers["x-request-id"] != "bad id with spaces"
+    worker.wait_for(lambda ln: ln.get("id") == headers["x-request-id"])
+    (line,) = worker.requests_logged(headers["x-request-id"])
+    assert line["status"] == 422 and line["detail"] == body["detail"]
+
+
+# ---------------------------------------------------------------- headers: 411 / 400 / 413 / 415
+
+
+def test_header_refusals(worker):
+    port = worker.port
+    chunked = head_bytes(None, b"Transfer-Encoding: chunked\r\n") + b"2\r\n{}\r\n0\r\n\r\n"
+    assert raw_exchange(port, chunked) == (411, {"detail": "Content-Length is required; chunked request bodies are not accepted"})
+    assert raw_exchange(port, head_bytes(None)) == (411, {"detail": "exactly one Content-Length header is required"})
+    status, body = raw_exchange(port, head_bytes(2, b"Content-Length: 3\r\n") + b"{}")  # conflicting: the HTTP parser refuses the framing
+    assert status == 400 and "malformed HTTP request" in body["detail"]
+    status, body = raw_exchange(port, head_bytes(None, b"Content-Length: abc\r\n") + b"{}")
+    assert status == 400 and set(body) == {"detail"}
+    # Over the limit by its declared length: refused before a byte of the body is read.
+    assert raw_exchange(port, head_bytes(MAX_BODY + 1)) == (413, {"detail": f"body is {MAX_BODY + 1} bytes; the limit is {MAX_BODY}"})
+    assert raw_exchange(port, head_bytes(2, content_type=b"text/plain") + b"{}") == (415, {"detail": "Content-Type must be application/json"})
+    assert raw_exchange(port, head_bytes(2, content_type=b"") + b"{}")[0] == 415
+    status, body, _ = post(port, text_request(), {"Content-Type": "Application/JSON; charset=utf-8"})
+    assert status == 200 and body["model"] == MODEL
+
+
+# ---------------------------------------------------------------- bodies: 400 / 413 / 422
+
+
+@pytest.mark.parametrize("body, phrase", [
+    (b"{not json", "invalid JSON"),
+    (b'{"model": "valen-preview-0923", "state": NaN, "questions": {}}', "NaN"),
+    (b'{"model": "valen-preview-0923", "state": "x", "state": "y", "questions": {}}', "duplicate key 'state'"),
+    (b'{"a": Infinity}', "Infinity"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"state": "\\ud83d"}', "lone surrogate"),
+    (b'{"state": "\xff"}', "invalid UTF-8"),
+    (b"[]", "JSON object"),
+], ids=["syntax", "nan", "duplicate", "infinity", "deep", "surrogate", "utf8", "array"])
+def test_malformed_bodies_are_400(worker, body, phrase):
+    status, answer, _ = post(worker.port, body)
+    assert status == 400 and phrase in answer["detail"], answer
+
+
+def test_body_of_exactly_8_mib_is_read_and_8_mib_plus_1_is_413(worker):
+    body = json.dumps(text_request()).encode()
+    body += b" " * (MAX_BODY - len(body))
+    status, answer, _ = post(worker.port, body)
+    assert status == 200 and answer["answers"]["q"]["choice"] in ("refund", "wait")
+    # Sent in full: the server answers from the declared length and never reads the body.
+    assert raw_exchange(worker.port, head_bytes(MAX_BODY + 1) + body + b" ")[0] == 413
+
+
+@pytest.mark.parametrize("request_, status, field", [
+    (text_request(state="a" * (MAX_TEXT + 1)), 422, "state: text state is 16385 characters"),
+    (text_request(questions={"n": {"type": "noul", "instructions": "?", "criteria": {"x": "y"}}}), 422, "questions.n.criteria: noul takes no criteria"),
+    (text_request(questions={"s": {"type": "score", "instructions": "?", "criteria": ["a", "a"]}}), 422, "questions.s.criteria[1]: repeats level 0"),
+    (text_request(questions={f"q{i}": {"type": "noul", "instructions": "?"} for i in range(9)}), 422, "questions: must hold 1-8"),
+    ({"model": MODEL, "state": {"image": "data:image/png;base64,AAAA", "extra": 1}, "questions": MIXED}, 422, "state: an image state holds exactly one image"),
+    ({"model": MODEL, "state": {"messages": [{"role": "user", "content": [{"type": "image", "image": "data:image/png;base64,AAAA"}] * 5}]}, "questions": MIXED},
+     422, "state.messages[0].content[4]: at most 4 images"),
+    ({**text_request(), "model": "Valen"}, 422, "model: must be 'valen-preview-0923'"),
+    ({**text_request(), "stream": True}, 422, "stream: unknown field"),
+    (text_request(state="x <|im_start|> y"), 422, "state: contains the reserved control token <|im_start|>"),
+], ids=["state-16385", "noul-criteria", "score-duplicate", "9-questions", "image-extra-key", "5-images", "model", "unknown-key", "special-token"])
+def test_refused_requests_name_the_field(worker, request_, status, field):
+    got, answer, _ = post(worker.port, request_)
+    assert got == status and answer["detail"].startswith(field), answer
+
+
+def test_images_past_their_limits(worker):
+    question = {"q": {"type": "choice", "instructions": "Colour?", "criteria": {"w": "White", "b": "Black"}}}
+    over_bytes = {"model": MODEL, "state": {"image": data_url(png_bytes(2, 2, pad_to=MAX_IMAGE_BYTES + 1))}, "questions": question}
+    status, answer, _ = post(worker.port, over_bytes)
+    assert status == 413 and answer["detail"].startswith("state.image: image is larger than 4194304 bytes")
+    for width, height, phrase in ((1025, 1024, "pixels"), (2049, 4, "each side"), (201, 1, "aspect ratio")):
+        status, answer, _ = post(worker.port, {"model": MODEL, "state": {"image": data_url(png_bytes(width, height))}, "questions": question})
+        assert status == 422 and phrase in answer["detail"], answer
+
+
+def test_limits_are_accepted_at_the_boundary(worker, engine):
+    question = {"q": {"type": "choice", "instructions": "Colour?", "criteria": {"w": "White", "b": "Black"}}}
+    at_bytes = {"model": MODEL, "state": {"image": data_url(png_bytes(2, 2, pad_to=MAX_IMAGE_BYTES))}, "questions": question}
+    long_state = ("customer " * 2000)[:MAX_TEXT]  # about 1,800 tokens: well under max_length
+    many = {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true?"} for i in range(8)}
+    options = {"q": {"type": "choice", "instructions": "Pick one.", "criteria": {f"k{i}": None for i in range(255)}}}
+    for request in (at_bytes, text_request(state=long_state), text_request(questions=many), text_request(questions=options)):
+        status, _, data = http_call(worker.port, "POST", "/v1/systemone", json.dumps(request).encode())
+        assert status == 200 and data == expected_bytes(engine, request)
+
+
+# ---------------------------------------------------------------- hostile framing: 408, mismatched lengths
+
+
+def test_slow_headers_and_slow_bodies_are_408(worker):
+    def slow_body():
+        with socket.create_connection(("127.0.0.1", worker.port)) as sock:
+            sock.sendall(head_bytes(100) + b'{"model": ')
+            return read_response(sock, READ_TIMEOUT + 30)
+
+    def slow_headers():
+        with socket.create_connection(("127.0.0.1", worker.port)) as sock:
+            sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\n")
+            return read_response(sock, READ_TIMEOUT + 30)
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        body, headers = pool.submit(slow_body), pool.submit(slow_headers)
+        assert body.result() == (408, {"detail": f"request body timed out: 10 of 100 bytes in {READ_TIMEOUT:g} s"})
+        assert headers.result() == (408, {"detail": f"request headers timed out after {READ_TIMEOUT:g} s"})
+    assert READ_TIMEOUT <= time.monotonic() - t0 < READ_TIMEOUT + 20
+    assert http_call(worker.port, "GET", "/health")[0] == 200
+
+
+def test_mismatched_content_length(worker):
+    body = json.dumps(text_request()).encode()
+    # Declared shorter than sent: the declared bytes are the body (not JSON), the rest is not HTTP.
+    status, answer = raw_exchange(worker.port, head_bytes(len(body) - 10) + body)
+    assert status == 400 and "invalid JSON" in answer["detail"]
+    # Declared longer than sent, then the client closes its side: nobody is left to answer.
+    with socket.create_connection(("127.0.0.1", worker.port)) as sock:
+        sock.sendall(head_bytes(len(body) + 10) + body)
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(30)
+        assert sock.recv(1024) == b""
+    worker.wait_for(lambda ln: ln.get("status") == 499)
+    assert http_call(worker.port, "GET", "/health")[0] == 200
+
+
+# ---------------------------------------------------------------- admission: 503 while healthy
+
+
+def test_full_queue_is_503_while_health_stays_ready(worker, engine):
+    requests = [text_request(f"Customer {i} was charged twice.") for i in range(QUEUE_SIZE + 1)]
+    bodies = [json.dumps(r).encode() for r in requests]
+    held = [open_partial(worker.port, body, len(body) // 2) for body in bodies]  # admitted, bodies half read
+    try:
+        # The event loop admits each as soon as its headers are parsed: let it see them first.
+        assert http_call(worker.port, "GET", "/health")[0] == 200
+        time.sleep(0.3)
+        status, answer, _ = post(worker.port, text_request())
+        assert status == 503 and answer["detail"].startswith(f"worker busy: {QUEUE_SIZE + 1} requests admitted")
+        assert http_call(worker.port, "GET", "/health")[:1] == (200,)
+        for sock, body in zip(held, bodies):
+            sock.sendall(body[len(body) // 2:])
+        for sock, request in zip(held, requests):
+            status, answer = read_response(sock, 120)
+            assert status == 200 and encode_response(answer) == expected_bytes(engine, request)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+# ---------------------------------------------------------------- files
+
+
+def test_requests_leave_no_temporary_files(worker):
+    before = sorted(p.name for p in worker.tmpdir.iterdir())
+    image = {"model": MODEL, "state": {"image": data_url(png_bytes(50, 70))}, "questions": MIXED}
+    assert post(worker.port, image)[0] == 200
+    assert post(worker.port, {**image, "state": {"image": data_url(png_bytes(2049, 2))}})[0] == 422
+    assert post(worker.port, b"{broken")[0] == 400
+    assert sorted(p.name for p in worker.tmpdir.iterdir()) == before
+
+
+# ---------------------------------------------------------------- lifecycle: SIGTERM, startup refusals, 500, request timeout
+
+
+def test_sigterm_mid_request_answers_then_exits_0(tiny_export, tmp_path, engine):
+    server = Worker(tiny_export["separate"], tmp_path, "--read-timeout", "30")
+    try:
+        waiting = text_request("Waiting in its body.")
+        body = json.dumps(waiting).encode()
+        sock = open_partial(server.port, body, 10)
+        running = text_request(HEAVY_STATE)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(http_call, server.port, "POST", "/v1/systemone", json.dumps(running).encode(), {"X-Request-Id": "running"})
+            # Both requests must be parsed (admitted) before the signal: a connection whose request
+            # has not arrived yet is closed by the shutdown, which is right, but not this test.
+            assert http_call(server.port, "GET", "/health")[0] == 200
+            time.sleep(0.5)
+            signalled_at = time.time()
+            server.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while True:  # the listening socket closes: new connections are refused
+                try:
+                    socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
+                except ConnectionRefusedError:
+                    break
+                assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
+                time.sleep(0.05)
+            sock.sendall(body[10:])
+            status, answer = read_response(sock, 60)
+            assert status == 200 and encode_response(answer) == expected_bytes(engine, waiting)
+            status, _, data = in_flight.result(timeout=120)
+            assert status == 200 and data == expected_bytes(engine, running)
+        assert server.proc.wait(timeout=60) == 0
+        server.wait_for(lambda ln: ln.get("event") == "stopped")
+        (line,) = server.requests_logged("running")
+        assert line["ts"] - line["run_ms"] / 1e3 < signalled_at  # it was running when the signal came
+    finally:
+        sock.close()
+        server.stop()
+
+
+def test_startup_refuses_a_damaged_export_and_a_taken_port(tiny_export, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_export["separate"], damaged)
+    head = damaged / "valen_head.safetensors"
+    data = bytearray(head.read_bytes())
+    data[-1] ^= 1  # same size: only the full hash check sees it
+    head.write_bytes(bytes(data))
+    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(damaged), "--port", "0", "--device", "cpu"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "sha256" in errors[0] and "valen_head.safetensors" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr and '"event": "ready"' not in result.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--port", str(port), "--device", "cpu"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(f"error: cannot bind 127.0.0.1:{port}"), result.stderr
+    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--queue-size", "-1", "--device", "cpu"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == "error: --queue-size must be an integer >= 0, got -1", result.stderr
+
+
+def test_sigterm_while_loading_exits_0_without_listening(tiny_export, tmp_path):
+    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()  # the "loading" line comes before the export is read
+    assert json.loads(first)["event"] == "loading", first
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0, rest
+    assert '"event": "stopped"' in rest and '"event": "ready"' not in rest and "Traceback" not in rest, rest
+
+
+def _export_with_failing_template(source, tmp_path):
+    """A copy of the export whose chat template emits a video token for one phrase; the manifest
+    is updated, so the export loads and only such a request fails inside the compiler (500)."""
+    broken = tmp_path / "broken-template"
+    shutil.copytree(source, broken)
+    template = broken / "chat_template.jinja"
+    trap = ("{%- for m in messages -%}{%- for c in m.content -%}{%- if c.text is defined and 'trigger-500' in c.text -%}"
+            "<|video_pad|>{%- endif -%}{%- endfor -%}{%- endfor -%}")
+    template.write_text(trap + template.read_text(encoding="utf-8"), encoding="utf-8")
+    manifest_path = broken / "valen_export.json"
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest["files"]["chat_template.jinja"] = {"sha256": hashlib.sha256(template.read_bytes()).hexdigest(), "size": template.stat().st_size}
+    manifest_path.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    return broken
+
+
+def test_internal_failure_is_500_and_a_late_answer_is_503(tiny_export, tmp_path, engine):
+    server = Worker(_export_with_failing_template(tiny_export["separate"], tmp_path), tmp_path, "--request-timeout", "0.5")
+    try:
+        status, answer, headers = post(server.port, text_request("please trigger-500 now"))
+        assert (status, answer) == (500, {"detail": "inference failed"})
+        server.wait_for(lambda ln: ln.get("id") == headers["x-request-id"])
+        (line,) = server.requests_logged(headers["x-request-id"])
+        assert line["status"] == 500 and line["error"].startswith("ConfigError: chat template emitted <|video_pad|>")
+        # Three branches of about 4,100 tokens each (1 s or more each on 2 cores) against a 0.5 s
+        # timeout: answered 503 at the timeout, and the worker goes on.
+        three = {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true?"} for i in range(3)}
+        t0 = time.monotonic()
+        status, answer, _ = post(server.port, text_request(HEAVY_STATE, three))
+        assert status == 503 and "not answered within 0.5 s" in answer["detail"]
+        assert 0.5 <= time.monotonic() - t0 < 10
+        assert http_call(server.port, "GET", "/health")[0] == 200
+        request = text_request("An ordinary request afterwards.")
+        deadline = time.monotonic() + 60
+        while (result := http_call(server.port, "POST", "/v1/systemone", json.dumps(request).encode()))[0] == 503:
+            assert time.monotonic() < deadline  # it may time out while the abandoned request still runs
+        assert result[0] == 200 and result[2] == expected_bytes(engine, request)
+    finally:
+        assert server.stop() == 0
+
+
+# ---------------------------------------------------------------- warmup
+
+
+def test_every_warmup_request_is_valid_and_covers_the_shape_families(tiny_export):
+    """A refused warmup request would stop the worker at startup; the full set must also reach each
+    family the CUDA fast path specialises on: short and long states, one and several branches,
+    images of two sizes."""
+    from valen_runtime.request import Compiler
+    from valen_runtime.serve import warmup_requests
+
+    compiler = Compiler.from_dir(tiny_export["separate"])
+    basic, full = warmup_requests(False), warmup_requests(True)
+    assert basic == full[:2] and isinstance(basic[0]["state"], str) and list(basic[1]["state"]) == ["image"]  # as upstream
+    compiled = [compiler.compile(r) for r in full]
+    states = [len(c.state.input_ids) for c in compiled if c.state.image_grid_thw is None]
+    branches = {sum(len(q.branches) for q in c.questions) for c in compiled}
+    grids = {tuple(map(tuple, c.state.image_grid_thw.tolist())) for c in compiled if c.state.image_grid_thw is not None}
+    assert min(states) < 64 <= max(states)  # the padded batch (no 64-token prefix) and the one-pass layout
+    assert sum(s < 64 for s in states) >= 2 and sum(s >= 64 for s in states) >= 2  # two sizes of each
+    assert {1, 7} <= branches
+    assert len(grids) >= 3  # the 2 x 2 image and two more sizes
+
+
+@pytest.mark.gpu
+def test_first_requests_after_ready_do_not_compile(tiny_export, tmp_path):
+    """On CUDA the warmup pays for torch.compile and graph capture: a request of a family it did not
+    warm costs 10 s or more (docs/runtime.md), a warm one well under 1 s; 5 s tells them apart."""
+    server = Worker(tiny_export["separate"], tmp_path, device="cuda")
+    try:
+        requests = [
+            text_request(),
+            text_request("A much longer account of what happened. " * 40, MIXED),
+            {"model": MODEL, "state": {"messages": [{"role": "user", "content": [{"type": "image", "image": data_url(png_bytes(448, 448))},
+                                                                                 {"type": "text", "text": "Which move?"}]}]}, "questions": MIXED},
+            {"model": MODEL, "state": {"image": data_url(png_bytes(640, 480))}, "questions": {"q": MIXED["next"]}},
+        ]
+        for request in requests:
+            t0 = time.monotonic()
+            status, _, _ = http_call(server.port, "POST", "/v1/systemone", json.dumps(request).encode())
+            assert status == 200 and time.monotonic() - t0 < 5.0, (request["questions"].keys(), time.monotonic() - t0)
+    finally:
+        assert server.stop() == 0
+
+
+def test_accepted_connections_turn_nagles_algorithm_off():
+    """Answers on kept-alive connections must not wait for a delayed ACK: asyncio sets TCP_NODELAY
+    only on sockets created as TCP, which is what _bind must create."""
+    import asyncio
+
+    from valen_runtime.serve import _bind
+
+    async def nodelay_of_an_accepted_connection() -> int:
+        sock = _bind("127.0.0.1", 0)
+        accepted = asyncio.get_running_loop().create_future()
+        server = await asyncio.start_server(lambda reader, writer: accepted.set_result(writer), sock=sock)
+        _, client = await asyncio.open_connection(*sock.getsockname()[:2])
+        writer = await accepted
+        value = writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        for w in (client, writer):
+            w.close()
+        server.close()
+        await server.wait_closed()
+        return value
+
+    assert asyncio.run(nodelay_of_an_accepted_connection()) != 0

@@ -1,0 +1,361 @@
+"""The /v1/systemone wire contract, one module for every entry point (docs/wire-contract.md).
+
+`valen-serve`, `valen-run`, `valen-parity --requests` and `Compiler.compile` all go through here:
+- bounded reading (`read_limited`, `read_request_source`): never more than a limit + 1 byte;
+- strict JSON (`parse_request_bytes`): UTF-8, no duplicate keys, no NaN / Infinity, no lone
+  surrogates, no nesting deeper than the parser allows;
+- the request's shape and limits (`validate_request`), which returns the request in canonical
+  form: instructions and descriptions sent as JSON objects or arrays become their JSON text;
+- the response body (`response_body`): answers in the upstream worker's key order.
+
+Checks that need the export (special tokens, image decoding, max_length) stay in the compiler.
+Every refusal is a RequestError naming the JSON path; `http_status` maps it to the worker's code:
+BodyError 400 (the body is not a usable JSON object), TooLarge 413 (body or image over its byte
+limit), anything else 422.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import BinaryIO
+
+from .errors import RequestError
+from .image import MAX_ASPECT_RATIO, MAX_IMAGE_BYTES, MAX_PIXELS, MAX_SIDE
+
+MODEL_NAME = "valen-preview-0923"
+MAX_BODY = 8 * 1024 * 1024
+MAX_QUESTIONS = 8
+MAX_OPTIONS = 255
+# Characters: a text state (a JSON state counts as its JSON text), and each question's
+# instructions plus its descriptions together (as the upstream worker counts them).
+MAX_TEXT = 16384
+MAX_NAME = 256  # question names and option keys: 1..256 characters
+MIN_SCORE_LEVELS = 2
+MAX_SCORE_LEVELS = 10
+# The message-list extension's image limit. Each image within the single-image limits becomes at
+# most 1024 tokens (1,048,576 pixels / 32^2 per merged token), so 4 images use at most half of
+# max_length (8192) and leave the other half for the text and the longest question.
+MAX_MESSAGE_IMAGES = 4
+
+QUESTION_TYPES = ("choice", "noul", "score")
+DATA_URL_PREFIXES = ("data:image/png;base64,", "data:image/jpeg;base64,")
+
+__all__ = [
+    "MODEL_NAME", "MAX_BODY", "MAX_IMAGE_BYTES", "MAX_PIXELS", "MAX_SIDE", "MAX_ASPECT_RATIO", "MAX_QUESTIONS",
+    "MAX_OPTIONS", "MAX_TEXT", "MAX_NAME", "MIN_SCORE_LEVELS", "MAX_SCORE_LEVELS", "MAX_MESSAGE_IMAGES",
+    "BodyError", "TooLarge", "http_status", "read_limited", "read_request_source", "parse_request_bytes",
+    "validate_request", "decode_request", "response_body", "encode_response",
+]
+
+
+class BodyError(RequestError):
+    """The body is not a usable JSON object (HTTP 400)."""
+
+    status = 400
+
+
+class TooLarge(RequestError):
+    """A body, file or image is over its byte limit (HTTP 413)."""
+
+    status = 413
+
+
+def http_status(error: RequestError) -> int:
+    """The worker's status code for a refused request: 400, 413 or 422."""
+    return getattr(error, "status", 422)
+
+
+# ---------------------------------------------------------------- bounded reading
+
+
+def read_limited(stream: BinaryIO, limit: int = MAX_BODY, what: str = "body") -> bytes:
+    """Read a whole stream, but never more than `limit` + 1 bytes; TooLarge past the limit."""
+    data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise TooLarge(what, f"more than {limit} bytes; the limit is {limit}")
+    return data
+
+
+def read_request_source(source: str, limit: int = MAX_BODY) -> bytes:
+    """A request from a file path, or "-" for standard input, read with `read_limited`."""
+    if source == "-":
+        return read_limited(sys.stdin.buffer, limit, "stdin")
+    with open(Path(source), "rb") as handle:
+        return read_limited(handle, limit, source)
+
+
+# ---------------------------------------------------------------- strict JSON
+
+
+def parse_request_bytes(data: bytes) -> dict:
+    """A request body -> the JSON object it holds; BodyError / TooLarge otherwise."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise BodyError("body", "expected bytes")
+    data = bytes(data)
+    if len(data) > MAX_BODY:
+        raise TooLarge("body", f"body is {len(data)} bytes; the limit is {MAX_BODY}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BodyError("body", f"invalid UTF-8 at byte {exc.start}") from exc
+
+    def no_duplicates(pairs):
+        result = {}
+        for key, value in pairs:
+            if key in result:
+                raise BodyError("body", f"duplicate key {key!r}")
+            result[key] = value
+        return result
+
+    def no_constant(name):
+        raise BodyError("body", f"{name} is not valid JSON")
+
+    def finite_float(literal):
+        value = float(literal)
+        if not math.isfinite(value):
+            raise BodyError("body", f"number {literal} is out of range")
+        return value
+
+    try:
+        value = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constant, parse_float=finite_float)
+        # A \ud800-style escape decodes to a lone surrogate, which is not Unicode text.
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except BodyError:
+        raise
+    except RecursionError as exc:
+        raise BodyError("body", "JSON nested too deeply") from exc
+    except UnicodeEncodeError as exc:
+        raise BodyError("body", "a string holds a lone surrogate escape; not valid Unicode text") from exc
+    except ValueError as exc:  # JSONDecodeError, oversized integer literals
+        raise BodyError("body", f"invalid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise BodyError("body", "the request must be a JSON object")
+    return value
+
+
+def decode_request(data: bytes) -> dict:
+    """Bytes -> a validated request in canonical form (what every entry point hands the engine)."""
+    return validate_request(parse_request_bytes(data))
+
+
+# ---------------------------------------------------------------- shape and limits
+
+
+def validate_request(request) -> dict:
+    """Check a parsed request against the contract; return it in canonical form (a new dict).
+
+    Canonical form: instructions and choice descriptions sent as JSON objects or arrays become
+    their JSON text, as the upstream worker reads them (Valen's prompt takes text there);
+    everything else is as sent (an object state is serialised by the compiler, a null description
+    means its key there). Nothing is tokenized or decoded here.
+    """
+    if not isinstance(request, dict):
+        raise BodyError("body", "the request must be a JSON object")
+    for key in request:
+        if key not in ("model", "state", "questions"):
+            raise RequestError(str(key), "unknown field; a request has exactly model, state, questions")
+    for key in ("model", "state", "questions"):
+        if key not in request:
+            raise RequestError(key, "required")
+    if request["model"] != MODEL_NAME:
+        raise RequestError("model", f"must be {MODEL_NAME!r}")
+    questions = _questions(request["questions"])  # questions first, as the upstream worker checks them
+    return {"model": MODEL_NAME, "state": _state(request["state"]), "questions": questions}
+
+
+def _as_text(value, field: str, what: str) -> str:
+    """A string as is; a JSON object or array as its JSON text (ensure_ascii=False, as upstream)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list)):
+        try:
+            return json.dumps(value, ensure_ascii=False, allow_nan=False)
+        except RecursionError as exc:
+            raise RequestError(field, f"{what} is nested too deeply") from exc
+        except (TypeError, ValueError) as exc:
+            raise RequestError(field, f"{what} cannot be serialised as JSON ({exc})") from exc
+    raise RequestError(field, f"{what} must be a string (or a JSON object or array, read as its JSON text)")
+
+
+def _name(value, field: str, what: str) -> str:
+    if not isinstance(value, str):
+        raise RequestError(field, f"{what} must be a string")
+    if not 1 <= len(value) <= MAX_NAME:
+        raise RequestError(field, f"{what} must be 1-{MAX_NAME} characters, got {len(value)}")
+    return value
+
+
+def _questions(questions) -> dict:
+    if not isinstance(questions, dict):
+        raise RequestError("questions", "must be an object {name: question}")
+    if not 1 <= len(questions) <= MAX_QUESTIONS:
+        raise RequestError("questions", f"must hold 1-{MAX_QUESTIONS} questions, got {len(questions)}")
+    canonical = {}
+    for qid, question in questions.items():
+        field = f"questions.{qid}"
+        _name(qid, field, "question name")
+        if not isinstance(question, dict):
+            raise RequestError(field, "must be an object with type, instructions, criteria")
+        for key in question:
+            if key not in ("type", "instructions", "criteria"):
+                raise RequestError(f"{field}.{key}", "unknown field; allowed: type, instructions, criteria")
+        kind = question.get("type")
+        if kind not in QUESTION_TYPES:
+            raise RequestError(f"{field}.type", f"must be one of {', '.join(QUESTION_TYPES)}")
+        instructions = _as_text(question.get("instructions"), f"{field}.instructions", "instructions")
+        if not instructions.strip():
+            raise RequestError(f"{field}.instructions", "must be non-empty text")
+        criteria = _criteria(kind, question.get("criteria"), f"{field}.criteria")
+        if criteria is None:  # noul: its fixed candidates are not the client's text
+            descriptions = []
+        elif isinstance(criteria, dict):
+            descriptions = [key if description is None else description for key, description in criteria.items()]
+        else:
+            descriptions = criteria
+        chars = len(instructions) + sum(len(d) for d in descriptions)
+        if chars > MAX_TEXT:
+            raise RequestError(field, f"instructions and descriptions are {chars} characters together; the limit is {MAX_TEXT} per question")
+        canonical[qid] = {**question, "instructions": instructions}
+        if criteria is not None:
+            canonical[qid]["criteria"] = criteria
+    return canonical
+
+
+def _criteria(kind: str, criteria, field: str):
+    if kind == "noul":
+        if criteria is not None:
+            raise RequestError(field, "noul takes no criteria (its candidates are fixed: true, false); leave criteria out")
+        return None
+    if kind == "choice":
+        if not isinstance(criteria, dict):
+            raise RequestError(field, "choice criteria must be an object {key: description}")
+        if not 1 <= len(criteria) <= MAX_OPTIONS:
+            raise RequestError(field, f"choice needs 1-{MAX_OPTIONS} criteria, got {len(criteria)}")
+        canonical = {}
+        for key, description in criteria.items():
+            item_field = f"{field}.{key}"
+            _name(key, item_field, "option key")
+            if not key.strip():
+                raise RequestError(item_field, "option key must not be only whitespace")
+            if description is not None:  # null means the key (the compiler substitutes it)
+                description = _as_text(description, item_field, "description")
+                if not description.strip():
+                    raise RequestError(item_field, "description must be non-empty text")
+            canonical[key] = description
+        return canonical
+    if not isinstance(criteria, list):
+        raise RequestError(field, "score criteria must be a list of level descriptions")
+    if not MIN_SCORE_LEVELS <= len(criteria) <= MAX_SCORE_LEVELS:
+        raise RequestError(field, f"score needs {MIN_SCORE_LEVELS}-{MAX_SCORE_LEVELS} levels, got {len(criteria)}")
+    first_index: dict[str, int] = {}
+    for index, description in enumerate(criteria):
+        item_field = f"{field}[{index}]"
+        if not isinstance(description, str):
+            raise RequestError(item_field, "description must be a string")
+        if not description.strip():
+            raise RequestError(item_field, "description must be non-empty text")
+        if description in first_index:
+            raise RequestError(item_field, f"repeats level {first_index[description]}; score levels must be distinct")
+        first_index[description] = index
+    return list(criteria)
+
+
+def _check_text_state(text: str, field: str = "state") -> str:
+    if not text.strip():
+        raise RequestError(field, "must not be empty or whitespace-only")
+    if len(text) > MAX_TEXT:
+        raise RequestError(field, f"text state is {len(text)} characters; the limit is {MAX_TEXT}")
+    return text
+
+
+def _state(state):
+    """Text, {image: data URL}, {messages: [...]} (our extension), or a JSON object / array (text)."""
+    if isinstance(state, str):
+        return _check_text_state(state)
+    if isinstance(state, dict) and "image" in state:
+        if list(state) != ["image"]:
+            raise RequestError("state", f"an image state holds exactly one image and no other key, got keys {sorted(map(str, state))}")
+        _check_image_url(state["image"], "state.image")
+        return state
+    if isinstance(state, dict) and list(state) == ["messages"]:
+        _check_messages(state["messages"])
+        return state
+    if isinstance(state, (dict, list)):
+        _check_text_state(_as_text(state, "state", "state"))  # limited as the JSON text the compiler builds
+        return state
+    raise RequestError("state", "must be text, a JSON object or array, {image: data URL} or {messages: [...]}")
+
+
+def _check_image_url(url, field: str) -> None:
+    """Prefix and byte size of a data URL, from its length alone (decoding is the compiler's)."""
+    if not isinstance(url, str) or not url.startswith(DATA_URL_PREFIXES):
+        raise RequestError(field, "must be a data:image/png;base64,… or data:image/jpeg;base64,… URL")
+    payload = url.split(",", 1)[1]
+    if len(payload) > 4 * -(-MAX_IMAGE_BYTES // 3):
+        raise TooLarge(field, f"image is larger than {MAX_IMAGE_BYTES} bytes")
+    # Valid base64 of n bytes is 4 * ceil(n / 3) characters with up to two '=' of padding.
+    decoded = len(payload) // 4 * 3 - len(payload[-2:]) + len(payload[-2:].rstrip("="))
+    if decoded > MAX_IMAGE_BYTES:
+        raise TooLarge(field, f"image is larger than {MAX_IMAGE_BYTES} bytes ({decoded})")
+
+
+def _check_messages(messages) -> None:
+    """Count the extension's images and text; the message structure itself is the compiler's check.
+
+    Walks tolerantly: shapes the compiler refuses are skipped here, so its field paths stay the
+    ones a client sees for them.
+    """
+    if not isinstance(messages, list):
+        return
+    images, chars = 0, 0
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+            continue
+        if not isinstance(content, list):
+            continue
+        for item_index, item in enumerate(content):
+            item_field = f"state.messages[{index}].content[{item_index}]"
+            kind = item.get("type") if isinstance(item, dict) else None
+            if kind == "text" and isinstance(item.get("text"), str):
+                chars += len(item["text"])
+            elif kind in ("image_url", "image"):
+                images += 1
+                if images > MAX_MESSAGE_IMAGES:
+                    raise RequestError(item_field, f"at most {MAX_MESSAGE_IMAGES} images per request")
+                url = item.get(kind)
+                url_field = f"{item_field}.{kind}"
+                if isinstance(url, dict):
+                    url, url_field = url.get("url"), f"{url_field}.url"
+                if isinstance(url, str) and url.startswith(DATA_URL_PREFIXES):
+                    _check_image_url(url, url_field)
+    if chars > MAX_TEXT:
+        raise RequestError("state.messages", f"the messages' text is {chars} characters; the limit is {MAX_TEXT}")
+
+
+# ---------------------------------------------------------------- the response
+
+
+# The upstream worker's answer key order for choice; noul and score (our extensions) keep
+# Valen's order (docs/wire-contract.md).
+_CHOICE_ORDER = ("type", "choice", "probabilities", "confidence")
+
+
+def response_body(response: dict) -> dict:
+    """An engine response -> the wire body: model, answers, usage, internal_usage; choice answers as
+    type, choice, probabilities, confidence."""
+    answers = {}
+    for qid, answer in response["answers"].items():
+        if answer.get("type") == "choice":
+            answer = {key: answer[key] for key in _CHOICE_ORDER}
+        answers[qid] = answer
+    return {"model": response["model"], "answers": answers, "usage": response["usage"], "internal_usage": response["internal_usage"]}
+
+
+def encode_response(body: dict) -> bytes:
+    """The bytes of a JSON body as the worker writes them (UTF-8, no NaN)."""
+    return json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
