@@ -16,12 +16,12 @@ of mixed kinds.
 
 from __future__ import annotations
 
-import base64
-import io
 import random
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from .cases import jpeg_data_url, png_data_url
 
 MODEL = "valen-preview-0923"
 CI_QUESTIONS = 40
@@ -51,18 +51,7 @@ GRADES = ("Calm 平静", "Slightly annoyed", "Annoyed 😒", "Angry", "Furious �
 
 
 def _data_url(img: Image.Image, fmt: str, exif_orientation: int | None = None) -> str:
-    buf = io.BytesIO()
-    if fmt == "PNG":
-        img.save(buf, format="PNG", optimize=False, compress_level=6)
-    else:
-        kwargs = {"quality": 90, "subsampling": 2}
-        if exif_orientation is not None:
-            exif = Image.Exif()
-            exif[0x0112] = exif_orientation
-            kwargs["exif"] = exif.tobytes()
-        img.save(buf, format="JPEG", **kwargs)
-    mime = "image/png" if fmt == "PNG" else "image/jpeg"
-    return f"data:{mime};base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    return png_data_url(img) if fmt == "PNG" else jpeg_data_url(img, exif_orientation)
 
 
 def picture(width: int, height: int, rng: random.Random) -> Image.Image:

@@ -202,15 +202,7 @@ class Compiler:
         on_images: called with the state's images once they are decoded and resized, before the
         state is tokenized (not for text-only states); an engine starts the vision tower there.
         """
-        request = validate_request(request)  # the wire contract, then what needs the export
-        for key in request:
-            if key not in ("model", "state", "questions"):
-                raise RequestError(str(key), "unknown field; a request has exactly model, state, questions")
-        for key in ("model", "state", "questions"):
-            if key not in request:
-                raise RequestError(key, "required")
-        if request["model"] != MODEL_NAME:
-            raise RequestError("model", f"must be {MODEL_NAME!r}")
+        request = validate_request(request)  # the wire contract (keys, model, shapes, limits), then what needs the export
         questions = self._parse_questions(request["questions"])
         messages, images = self._parse_state(request["state"])
         state = self._encode_state(messages, images, on_images)
