@@ -52,8 +52,8 @@ gpu-wheels:
 
 # Debian's Rust crate sources (into /usr/share/cargo/registry, the crate's directory source); needs root.
 native-deps:
-	apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(NATIVE_DEBS)
+	@dpkg -s $(NATIVE_DEBS) >/dev/null 2>&1 && echo "native-deps: $(NATIVE_DEBS) already installed" || { \
+	  apt-get update -qq; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(NATIVE_DEBS); }
 
 # Build valen-native-check and run it on fresh tiny exports (both LoRA modes, with vectors) and on
 # damaged ones; fails (does not skip) when cargo is missing.
