@@ -49,6 +49,7 @@ def main(out: Path) -> int:
     from valen_export.verify import verify_export
     from valen_runtime.engine import Engine
     from valen_runtime.options import EngineOptions
+    from valen_runtime.wire import response_body
 
     if out.exists():
         shutil.rmtree(out)
@@ -73,7 +74,7 @@ def main(out: Path) -> int:
     engine = Engine.load(exports["separate"], EngineOptions(device="cpu", dtype="bf16"))
     for i, req in enumerate(demo_requests(), 1):
         t = time.perf_counter()
-        resp = engine.answer(req)
+        resp = response_body(engine.answer(req))  # what valen-run and valen-serve send
         print(f"4. request {i} ({'image' if isinstance(req['state'], dict) else 'text'} state, {time.perf_counter() - t:.2f} s):")
         print("   " + json.dumps(resp, ensure_ascii=False, indent=2).replace("\n", "\n   "))
     print("Random weights: the answers show the pipeline works, not what the real model would say.")
