@@ -185,6 +185,10 @@ def _name(value, field: str, what: str) -> str:
         raise RequestError(field, f"{what} must be a string")
     if not 1 <= len(value) <= MAX_NAME:
         raise RequestError(field, f"{what} must be 1-{MAX_NAME} characters, got {len(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(field, "contains an unpaired surrogate; not valid Unicode text") from exc
     return value
 
 
