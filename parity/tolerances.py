@@ -133,6 +133,16 @@ def _one_line(value, where: str) -> str:
     return value.strip()
 
 
+def _require_keys(block: dict, required, optional, where: str) -> None:
+    """Exactly the required keys, plus any of the optional ones: one line naming the rest."""
+    unknown = sorted(set(block) - set(required) - set(optional))
+    if unknown:
+        raise ToleranceError(f"{where}: unknown key(s) {unknown}")
+    missing = [k for k in required if k not in block]
+    if missing:
+        raise ToleranceError(f"{where}: missing key(s) {missing}")
+
+
 def _reasons(block: dict, names: tuple[str, ...], where: str) -> dict:
     why = block.get("why")
     if not isinstance(why, dict):
@@ -158,12 +168,7 @@ def _gates(data, source: str) -> dict[str, tuple[dict, dict]]:
         block = gates[kind]
         if not isinstance(block, dict):
             raise ToleranceError(f"{where}: must be an object")
-        unknown = sorted(set(block) - set(names) - {"why"})
-        if unknown:
-            raise ToleranceError(f"{where}: unknown key(s) {unknown}")
-        missing = [n for n in names if n not in block]
-        if missing:
-            raise ToleranceError(f"{where}: missing key(s) {missing}")
+        _require_keys(block, names, ("why",), where)
         params = {n: _number(block[n], f"{where}.{n}") for n in names}
         for n in names:
             if n in PROBABILITY_PARAMETERS and params[n] > 1:
@@ -180,12 +185,7 @@ def _checks(data, source: str) -> tuple[dict, dict]:
     if not isinstance(checks, dict):
         raise ToleranceError(f"{where}: must be an object")
     names = CHECK_NUMBERS + ("answer_formula_max_abs",)
-    unknown = sorted(set(checks) - set(names) - {"why"})
-    if unknown:
-        raise ToleranceError(f"{where}: unknown key(s) {unknown}")
-    missing = [n for n in names if n not in checks]
-    if missing:
-        raise ToleranceError(f"{where}: missing key(s) {missing}")
+    _require_keys(checks, names, ("why",), where)
     values = {n: _number(checks[n], f"{where}.{n}") for n in CHECK_NUMBERS}
     formula = checks["answer_formula_max_abs"]
     if not isinstance(formula, dict) or sorted(formula) != sorted(AXES["device"]):
@@ -214,12 +214,7 @@ def validate(data, source: str = "tolerances") -> list[Gate]:
         where = f"{source}: entries[{i}]"
         if not isinstance(entry, dict):
             raise ToleranceError(f"{where}: must be an object")
-        unknown = sorted(set(entry) - set(ENTRY_KEYS) - set(ENTRY_OPTIONAL))
-        if unknown:
-            raise ToleranceError(f"{where}: unknown key(s) {unknown}")
-        missing = [k for k in ENTRY_KEYS if k not in entry]
-        if missing:
-            raise ToleranceError(f"{where}: missing key(s) {missing}")
+        _require_keys(entry, ENTRY_KEYS, ENTRY_OPTIONAL, where)
         for axis, allowed in AXES.items():
             if entry[axis] not in allowed:
                 raise ToleranceError(f"{where}.{axis}: {entry[axis]!r} is not one of {list(allowed)}")
