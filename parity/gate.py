@@ -228,6 +228,9 @@ def main(argv=None) -> int:
         fx, exports = build_inputs(out, args.work, args.preset)
         _say(f"fixture ({args.preset}) and exports ready at {time.perf_counter() - deadline.t0:.1f} s")
         requests = generator.SETS[args.request_set or ("ci" if device == "cpu" else "gpu")](args.seed)
+        if args.only_controls:  # the references are needed for the controls' requests only
+            used = {(c, n) for control in controls_mod.CONTROLS for c, n, _ in controls_mod.subset(control, requests, args.control_requests)}
+            requests = [(c, n, r) for c, n, r in requests if (c, n) in used]
         n_questions = sum(len(r["questions"]) for *_, r in requests)
         every = configurations(args.device, args.kernels, False if args.no_cuda_graphs else None)
         every = [c for c in every if args.lora in (None, c.lora)]
