@@ -14,7 +14,6 @@
 #      control (each must fail); the truth-relative GPU tests beside it. Alone: STEPS=gate, about 8 min
 #      within the default BUDGET=560 (work not started in time is skipped and reported; GATE_SHARDS,
 #      GATE_ARGS adjust it).
-#   "lora": benchmarks/lora_bench.py, the FP32 LoRA's Triton kernels against the cuBLAS form.
 #   "serve" (not in the default STEPS; run it alone: STEPS=serve): benchmarks/serve_load.py, valen-serve under
 #   load on the 2b separate export (SERVE_ARGS adds options, e.g. --leak-requests 2000).
 set -uo pipefail
@@ -41,11 +40,6 @@ if [[ " $STEPS " == *" profile "* ]]; then
   timeout $(cap ${PROFILE_TIMEOUT:-300}) python3 benchmarks/profile_fast.py --work "$WORK" --out "$OUT/profile.json" --tables "$OUT/profile-tables" \
     ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
   grep -E "total|ready|Error|error" "$OUT/profile.log" | tail -30
-fi
-
-if [[ " $STEPS " == *" lora "* ]]; then  # the FP32 LoRA kernels against the cuBLAS form, per 2B projection
-  timeout $(cap ${LORA_TIMEOUT:-240}) python3 benchmarks/lora_bench.py --out "$OUT/lora.json" ${LORA_ARGS:-} > "$OUT/lora.log" 2>&1
-  echo "lora: exit $?"; grep -E "rows" "$OUT/lora.log" | tail -30
 fi
 
 if [[ " $STEPS " == *" latency "* ]]; then
@@ -119,6 +113,5 @@ fi
 ls -la "$OUT"
 tar -czf "$FINAL/gpu-results.tar.gz" -C "$OUT" .
 cp "$OUT/latency.json" "$FINAL/" 2>/dev/null || true
-cp "$OUT/lora.json" "$FINAL/" 2>/dev/null || true
 cp "$OUT/gate-summary.txt" "$FINAL/" 2>/dev/null || true
 cp "$OUT/serve-load.json" "$FINAL/" 2>/dev/null || true

@@ -15,7 +15,6 @@ Shape letters as in qwen35.py; W weights.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -24,8 +23,7 @@ import torch.nn.functional as F
 from ..gated_delta import l2norm
 from ..qwen35 import DecoderLayer, apply_rotary, decay_and_beta, rms_norm, rms_norm_gated
 from .kernels import gated_delta_rule_op, gated_delta_rule_varlen_op, sdpa_attention
-from .projections import Projection, project
-from .projections import fuse as fuse_projections
+from .projections import Projection, fuse, project
 
 # ---------------------------------------------------------------------------------------------
 # Weights, gathered once from the reference modules (NamedTuples: the compiler flattens them into
@@ -58,11 +56,10 @@ class AttentionWeights(NamedTuple):
     mlp: MlpWeights
 
 
-def gather_weights(layer: DecoderLayer, lora_kernel: str = "torch") -> GdnWeights | AttentionWeights:
+def gather_weights(layer: DecoderLayer) -> GdnWeights | AttentionWeights:
     """One decoder layer's tensors in the order the layer functions read them (the fused
-    projections become the modules' storage; see projections.fuse, which `lora_kernel` is passed to)."""
+    projections become the modules' storage; see projections.fuse)."""
     mlp = layer.mlp
-    fuse = functools.partial(fuse_projections, lora_kernel=lora_kernel)
     mlp_w = MlpWeights(layer.post_attention_layernorm.weight, fuse([mlp.gate_proj, mlp.up_proj]), fuse([mlp.down_proj]))
     if layer.layer_type == "linear_attention":
         gdn = layer.linear_attn

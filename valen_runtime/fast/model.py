@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 from ..qwen35 import TextCache, TextModel, causal_mask, rms_norm
 from ..vision import VisionBlock, VisionModel, frame_lengths, grid_list, per_frame
-from . import lora_triton
 from .kernels import fla_available, fla_version, sdpa_vision_attention
 from .layers import compile_layer_fns, gather_weights, make_layer_fns
 
@@ -61,13 +60,13 @@ def one_pass_mask(layout: OnePass, dtype: torch.dtype, device: torch.device) -> 
 class FastText:
     """The text stack on the whole-layer functions; weights are the reference `TextModel`'s."""
 
-    def __init__(self, text: TextModel, delta_impl: str, compile: bool, lora_kernel: str = "torch"):
+    def __init__(self, text: TextModel, delta_impl: str, compile: bool):
         self.config = text.config
         self.delta_impl = delta_impl
         self.embed_tokens = text.embed_tokens
         self.rotary_emb = text.rotary_emb
         self.norm_weight, self.eps = text.norm.weight, text.norm.eps
-        self.layer_weights = [gather_weights(layer, lora_kernel) for layer in text.layers]
+        self.layer_weights = [gather_weights(layer) for layer in text.layers]
         self.fns = make_layer_fns(text.config, delta_impl)
         self.final_norm = rms_norm
         if compile:
@@ -248,16 +247,12 @@ class FastModel:
         result (Engine's `fast` argument). FLA's products run in TF32 for fp32 inputs, so
         only bf16 models on CUDA take its delta rule; everything else keeps the reference rule."""
         use_fla = model.device.type == "cuda" and model.dtype != torch.float32 and fla_available()
-        lora_kernel = "triton" if model.device.type == "cuda" and lora_triton.available() else "torch"
-        text = FastText(model.text, "fla" if use_fla else "torch", compile, lora_kernel)
-        has_lora = any(w.mlp.down.lora_a is not None for w in text.layer_weights)
+        text = FastText(model.text, "fla" if use_fla else "torch", compile)
         vision = FastVision(model.vision, compile)
         kernels = {
             "gated_delta": f"fla-core {fla_version()}" if use_fla else "torch",
             "attention": "sdpa",
             "projections": "fused",
-            "lora": ("none (merged export)" if not has_lora else
-                     "triton fp32 (lora_triton.py)" if lora_kernel == "triton" else "cuBLAS fp32"),
             "layers": "fused, torch.compile" if compile else "fused, eager",
             "vision_attention": "sdpa",
             "vision_blocks": "torch.compile" if compile else "eager",

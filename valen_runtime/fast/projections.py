@@ -5,9 +5,7 @@ matrix, and the reference modules' weights become row-block views of it (no seco
 FP32 LoRA adapters (PEFT's unmerged form, `qwen35.LoRALinear`) become one A GEMM and one batched
 B GEMM over equal row blocks of the members; each output is still one r-term fp32 sum, as in
 PEFT, added to the base result in fp32 and cast once (only the order of a few fp32 roundings
-moves: the scale is folded into B). On CUDA the LoRA part runs as two Triton kernels
-(lora_triton.py, `lora_kernel="triton"`) that compute the same fp32 sums without the fp32 copies
-of x and of the delta; `project` below is the form they are tested against.
+moves: the scale is folded into B).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..qwen35 import LoRALinear
-from . import lora_triton
 
 NARROW = 256  # members with fewer output rows are not worth a block of their own
 
@@ -33,13 +30,11 @@ class Projection(NamedTuple):
     lora_b: torch.Tensor | None  # [G, Nb, r] fp32, scale folded: the wide members cut into Nb-row blocks
     lora_b_small: torch.Tensor | None  # [sum N_small, n_small*r] block-diagonal, the narrow trailing members
     groups: tuple[int, ...]  # the member each Nb block belongs to
-    lora_groups: torch.Tensor | None  # [G] int32 on the device: `groups` for the Triton kernels, None: cuBLAS form
 
 
-def fuse(members: list[LoRALinear], lora_kernel: str = "torch") -> Projection:
+def fuse(members: list[LoRALinear]) -> Projection:
     """One Projection for `members` (in output order). With several members, their weights are
-    concatenated once and each member's `weight` becomes a view of its rows. lora_kernel "triton":
-    the LoRA runs in lora_triton's kernels where its shapes fit them (else the cuBLAS form)."""
+    concatenated once and each member's `weight` becomes a view of its rows."""
     if len(members) == 1:
         weight = members[0].weight
     else:
@@ -49,7 +44,7 @@ def fuse(members: list[LoRALinear], lora_kernel: str = "torch") -> Projection:
             m.weight = nn.Parameter(weight[row : row + m.out_features], requires_grad=False)
             row += m.out_features
     if all(m.lora_A is None for m in members):
-        return Projection(weight, None, None, None, (), None)
+        return Projection(weight, None, None, None, ())
     if any(m.lora_A is None for m in members):
         raise ValueError("cannot fuse projections where only some carry a LoRA adapter")
     ranks = {m.lora_A.weight.shape[0] for m in members}
@@ -66,10 +61,7 @@ def fuse(members: list[LoRALinear], lora_kernel: str = "torch") -> Projection:
     lora_b = torch.cat([b.view(-1, block, r) for b in scaled[:n_wide]])  # [G, Nb, r]
     small = torch.block_diag(*scaled[n_wide:]) if n_wide < len(members) else None
     lora_a = torch.cat([m.lora_A.weight.detach() for m in members])
-    lora_groups = None
-    if lora_kernel == "triton" and lora_triton.supports(lora_b, lora_a):
-        lora_groups = torch.tensor(groups, dtype=torch.int32, device=lora_b.device)
-    return Projection(weight, lora_a, lora_b.contiguous(), small, groups, lora_groups)
+    return Projection(weight, lora_a, lora_b, small, groups)
 
 
 def project(x: torch.Tensor, p: Projection) -> torch.Tensor:
@@ -83,8 +75,6 @@ def project(x: torch.Tensor, p: Projection) -> torch.Tensor:
     out = F.linear(x, p.weight)
     if p.lora_a is None:
         return out
-    if p.lora_groups is not None:
-        return lora_add_op(out, x, p.lora_a, p.lora_b, p.lora_groups, p.lora_b_small)
     h = F.linear(x.float(), p.lora_a)  # [..., n*r]: every member's A(x)
     r = p.lora_b.shape[-1]
     lead = h.shape[:-1]
@@ -95,17 +85,3 @@ def project(x: torch.Tensor, p: Projection) -> torch.Tensor:
         n_wide = p.groups[-1] + 1
         delta = torch.cat([delta, F.linear(h[..., n_wide * r :], p.lora_b_small)], dim=-1)
     return (out + delta).to(out.dtype)
-
-
-@torch.library.custom_op("valen::lora_add", mutates_args=())
-def lora_add_op(base: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_groups: torch.Tensor,
-                lora_b_small: torch.Tensor | None) -> torch.Tensor:
-    """`project`'s LoRA part by lora_triton.lora_add: base [..., N] (x @ W^T), x [..., in] -> [..., N]."""
-    flat = lora_triton.lora_add(base.reshape(-1, base.shape[-1]).contiguous(), x.reshape(-1, x.shape[-1]).contiguous(),
-                                lora_a, lora_b, lora_groups, lora_b_small)
-    return flat.view(base.shape)
-
-
-@lora_add_op.register_fake
-def _(base, x, lora_a, lora_b, lora_groups, lora_b_small):
-    return base.new_empty(base.shape)
