@@ -253,11 +253,12 @@ def test_cached_continuation_is_as_accurate_as_the_reference_modules(tiny_export
                     _continuation_probabilities(truth.text, head, prefix, tails))
 
 
-# Measured on the H200 (2026-12-01): worst 0.0285 against a bound of 0.0231 (per-branch's own
-# error 0.0066). The compiled batch layout is not the bf16 default on CUDA (docs/parity.md); strict,
-# so a fix shows as an unexpected pass.
+# Measured on the H200 (2026-12-01): worst 0.026-0.029 against a bound of 0.0231 (per-branch's own
+# error 0.0066). The cause is compiled layers feeding FLA's delta rule (the one-pass layout measures
+# the same; eager layers or the reference rule do not): docs/parity.md. Strict, so a fix shows as an
+# unexpected pass.
 COMPILED_BATCH_CONTINUATION = pytest.mark.xfail(
-    strict=True, reason="compiled batch layout on CUDA: bf16 continuation from a cached prefix beyond the truth-relative bound (docs/parity.md)"
+    strict=True, reason="compiled layers feeding FLA on CUDA: bf16 continuation beyond the truth-relative bound on the tiny fixture (docs/parity.md)"
 )
 
 
