@@ -5,10 +5,13 @@ and LoRA add is its own launch, and at Valen's request sizes launches, not FLOPs
 Here a layer is one function of tensors only (weights passed in as NamedTuples, no module state,
 no cache object), so one compiled `gdn_layer` / `attention_layer` serves every layer and shape,
 and inductor fuses everything between the GEMMs, the delta rule (one opaque custom op) and
-attention into a few kernels. They call the reference's own pieces (rms_norm, rms_norm_gated,
-decay_and_beta, apply_rotary, l2norm); what differs is the fused projections (projections.py),
-SDPA, and the causal conv written as K shifted fp32 products summed and rounded once (what
-F.conv1d computes), which also reads a tap index so packed sequences can share one history.
+attention into a few kernels. The elementwise pieces are the reference's (qwen35.py,
+gated_delta.py) with every bf16 rounding eager makes written as `rounding.cast`, which a compiler
+cannot fuse away (torch.compile drops some of them otherwise, and the compiled layers then stop
+computing the reference's numbers); eagerly they compute the same bits as the reference. What
+differs is the fused projections (projections.py), SDPA, and the causal conv written as K shifted
+fp32 products summed and rounded once (what F.conv1d computes), which also reads a tap index so
+packed sequences can share one history.
 
 Shape letters as in qwen35.py; W weights.
 """
@@ -20,10 +23,10 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..gated_delta import l2norm
-from ..qwen35 import DecoderLayer, apply_rotary, decay_and_beta, rms_norm, rms_norm_gated
+from ..qwen35 import DecoderLayer, decay_and_beta, rotate_half
 from .kernels import gated_delta_rule_op, gated_delta_rule_varlen_op, sdpa_attention
 from .projections import Projection, fuse, project
+from .rounding import cast
 
 # ---------------------------------------------------------------------------------------------
 # Weights, gathered once from the reference modules (NamedTuples: the compiler flattens them into
@@ -72,14 +75,68 @@ def gather_weights(layer: DecoderLayer) -> GdnWeights | AttentionWeights:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared pieces
+# The reference's elementwise pieces with eager's roundings as `cast` (a bf16 op rounds its fp32
+# result once; `.float()` of a bf16 or fp32 value is exact). For fp32 inputs every cast is a no-op.
+
+
+def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + y in x's dtype (a residual)."""
+    return cast(x.float() + y.float(), x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """qwen35.rms_norm: normalise in fp32, scale by (1 + w) in fp32, one cast back."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return cast(h * (1.0 + weight.float()), x.dtype)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """qwen35.rms_norm_gated: normalise in fp32, cast, times w in w's dtype, times silu(gate) in fp32."""
+    h = x.float()
+    h = cast(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps), x.dtype)
+    h = cast(weight.float() * h.float(), weight.dtype)
+    return cast(h.float() * F.silu(gate.float()), x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """gated_delta.l2norm: x * rsqrt(sum(x * x) + eps), every step in x's dtype."""
+    dt = x.dtype
+    sq = cast(x.float() * x.float(), dt)
+    total = cast(cast(sq.float().sum(dim=-1, keepdim=True), dt).float() + eps, dt)
+    return cast(x.float() * cast(torch.rsqrt(total.float()), dt).float(), dt)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """qwen35.apply_rotary (partial RoPE on the first R dims of q, k [B, H, T, D]; cos, sin [B, T, R])."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+
+    def rotate(t):
+        dt = t.dtype
+        rot = t[..., :r]
+        turned = add(cast(rot.float() * cos.float(), dt), cast(rotate_half(rot).float() * sin.float(), dt))
+        return torch.cat([turned, t[..., r:]], dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def silu_times(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up in gate's dtype (the MLP's activation)."""
+    dt = gate.dtype
+    return cast(cast(F.silu(gate.float()), dt).float() * up.float(), dt)
+
+
+def sigmoid_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """out * torch.sigmoid(gate) in out's dtype (attention's output gate)."""
+    return cast(out.float() * cast(torch.sigmoid(gate.float()), gate.dtype).float(), out.dtype)
 
 
 def mlp_residual(x: torch.Tensor, eps: float, w: MlpWeights) -> torch.Tensor:
     """x + MLP(post_attention_layernorm(x)) with the gate and up projections as one GEMM."""
     h = rms_norm(x, w.post_norm, eps)
     gate, up = project(h, w.gate_up).chunk(2, dim=-1)  # [B, T, I] each
-    return x + project(F.silu(gate) * up, w.down)
+    return add(x, project(silu_times(gate, up), w.down))
 
 
 def causal_conv_silu(mixed: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +170,7 @@ def _conv_taps_silu(taps: list[torch.Tensor], weight: torch.Tensor, dtype: torch
     acc = taps[0].float() * w[:, 0]
     for j in range(1, len(taps)):
         acc = acc + taps[j].float() * w[:, j]
-    return F.silu(acc.to(dtype))
+    return cast(F.silu(cast(acc, dtype).float()), dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +208,7 @@ def make_layer_fns(cfg, delta_impl: str) -> LayerFns:
         g, beta = decay_and_beta(a, b, w.A_log, w.dt_bias)  # [B, T, Hv]
         core, state = rule(q, k, v.reshape(B, T, Hv, Dv), g, beta)
         out = rms_norm_gated(core.reshape(-1, Dv), z.reshape(-1, Dv), w.gated_norm, eps).reshape(B, T, -1)
-        x = x + project(out, w.out_proj)
+        x = add(x, project(out, w.out_proj))
         return mlp_residual(x, eps, w.mlp), conv_tail, state
 
     def gdn_layer(x, conv_prev, state_prev, w: GdnWeights):
@@ -190,8 +247,8 @@ def make_layer_fns(cfg, delta_impl: str) -> LayerFns:
         if k_prev is not None:
             k, v = torch.cat([k_prev, k], dim=2), torch.cat([v_prev, v], dim=2)  # [B, Hk, S, D]
         out = sdpa_attention(q, k, v, mask, scaling).reshape(B, T, -1)  # [B, T, Hq*D]
-        out = out * torch.sigmoid(gate.reshape(B, T, -1))
-        x = x + project(out, w.o_proj)
+        out = sigmoid_gate(out, gate.reshape(B, T, -1))
+        x = add(x, project(out, w.o_proj))
         return mlp_residual(x, eps, w.mlp), k, v
 
     return LayerFns(gdn_layer, gdn_layer_one_pass, attention_layer)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..qwen35 import TextCache, TextModel, causal_mask, rms_norm
 from ..vision import VisionBlock, VisionModel, frame_lengths, grid_list, per_frame
 from .kernels import fla_available, fla_version, sdpa_vision_attention
-from .layers import compile_layer_fns, gather_weights, make_layer_fns
+from .layers import add, compile_layer_fns, gather_weights, make_layer_fns
 
 
 def _dynamic(t: torch.Tensor, *dims: int) -> None:
@@ -171,8 +171,9 @@ def vision_block(block: VisionBlock, x: torch.Tensor, lengths: list[int], cos: t
     attn = block.attn
     q, k, v = attn.rotated_heads(block.norm1(x), cos, sin)  # [1, Hh, N, D]
     out = torch.cat([sdpa_vision_attention(qc, kc, vc, attn.scaling) for qc, kc, vc in per_frame(q, k, v, lengths)], dim=1)
-    x = x + attn.proj(out.reshape(x.shape[0], -1).contiguous())
-    return x + block.mlp(block.norm2(x))
+    # The residual sums as layers.add: compiled, the first would otherwise reach norm2 unrounded.
+    x = add(x, attn.proj(out.reshape(x.shape[0], -1).contiguous()))
+    return add(x, block.mlp(block.norm2(x)))
 
 
 def compiled_vision_block():

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..qwen35 import LoRALinear
+from .rounding import cast
 
 NARROW = 256  # members with fewer output rows are not worth a block of their own
 
@@ -84,4 +85,4 @@ def project(x: torch.Tensor, p: Projection) -> torch.Tensor:
     if p.lora_b_small is not None:
         n_wide = p.groups[-1] + 1
         delta = torch.cat([delta, F.linear(h[..., n_wide * r :], p.lora_b_small)], dim=-1)
-    return (out + delta).to(out.dtype)
+    return cast(out.float() + delta, out.dtype)

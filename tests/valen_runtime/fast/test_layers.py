@@ -142,3 +142,49 @@ def test_compiled_layers_match_the_reference_cpu(tiny_export, roundoff_bound):
         bound = roundoff_bound(lambda inputs: model.text(inputs, pos), x, widest, stages=config.num_hidden_layers)
         diff = (compiled(x, pos) - model.text(x, pos)).abs().max().item()
         assert diff <= bound, (f"batch {batch}, {length} tokens", diff, bound)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
+@pytest.mark.parametrize("emulate_precision_casts", [True, False])
+def test_compiled_bf16_layers_equal_the_eager_ones_bit_for_bit(tiny_export, emulate_precision_casts):
+    """bf16: every rounding eager makes is written as rounding.cast, so a compiler that keeps fused
+    intermediates in fp32 still computes eager's bits (decoder layers and the vision block). Without `emulate_precision_casts` inductor
+    keeps them all in fp32 (the CPU's stand-in for what the H200's compiled layers did with it on:
+    a GDN layer's conv output differed from eager in a quarter of its elements); with it, as the
+    fast path compiles. Both must equal the eager layers exactly."""
+    from valen_runtime.plan import one_pass_indices
+
+    model = load_model(tiny_export["separate"], dtype="bf16")
+    text = FastModel.build(model, compile=False).text
+    fns = text.fns
+    options = {"emulate_precision_casts": True} if emulate_precision_casts else {}
+    compiled = type(fns)(*(torch.compile(fn, fullgraph=True, options=options) for fn in fns))
+    kinds = text.config.layer_types
+    gdn, attention = kinds.index("linear_attention"), kinds.index("full_attention")
+    x = random_rows(text, 2, 37, seed=8)
+    cos, sin = rope(text, x, 0)
+    mask = causal_mask(37, 0, x.dtype, x.device)
+    conv_zero, state_zero = text._zero_history(2, x)
+    K = text.config.linear_conv_kernel_dim
+    row = random_rows(text, 1, 64 + 45, seed=9)
+    taps, cu_seqlens, chunk_indices, prefix_rows = [one_pass_indices(64, [20, 25], K)[i] for i in (2, 3, 4, 5)]
+    one_conv, one_state = text._zero_history(1, row)
+    calls = {
+        "gdn": lambda f: f.gdn(x, conv_zero, state_zero, text.layer_weights[gdn]),
+        "attention": lambda f: f.attention(x, cos, sin, mask, None, None, text.layer_weights[attention]),
+        "gdn one-pass": lambda f: f.gdn_one_pass(row, one_conv, one_state, taps, prefix_rows, cu_seqlens, chunk_indices,
+                                                 text.layer_weights[gdn]),
+    }
+    from valen_runtime.fast.model import vision_block
+
+    grids = [(1, 6, 8)]  # one frame of 48 patches (6 x 8: not square)
+    _, vcos, vsin = model.vision.grid_tables(grids)
+    patches = torch.randn(48, model.vision.config.hidden_size, generator=torch.Generator().manual_seed(12)).to(x.dtype)
+    compiled_block = torch.compile(vision_block, fullgraph=True, options=options)
+    calls["vision block"] = lambda f: (vision_block if f is fns else compiled_block)(model.vision.blocks[0], patches, [48], vcos, vsin)
+    for name, call in calls.items():
+        want, got = call(fns), call(compiled)
+        for i, (w, g) in enumerate(zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,))):
+            if w is not None:
+                assert torch.equal(w, g), (name, i, (w.float() - g.float()).abs().max().item(), (w != g).float().mean().item())

@@ -253,16 +253,7 @@ def test_cached_continuation_is_as_accurate_as_the_reference_modules(tiny_export
                     _continuation_probabilities(truth.text, head, prefix, tails))
 
 
-# Measured on the H200 (2026-12-01): worst 0.026-0.029 against a bound of 0.0231 (per-branch's own
-# error 0.0066). The cause is compiled layers feeding FLA's delta rule (the one-pass layout measures
-# the same; eager layers or the reference rule do not): docs/parity.md. Strict, so a fix shows as an
-# unexpected pass.
-COMPILED_BATCH_CONTINUATION = pytest.mark.xfail(
-    strict=True, reason="compiled layers feeding FLA on CUDA: bf16 continuation beyond the truth-relative bound on the tiny fixture (docs/parity.md)"
-)
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, COMPILED_BATCH_CONTINUATION])])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_batch_layout_with_a_cached_prefix_is_as_accurate_as_per_branch(tiny_export, long_image_request, device):
     """End to end: the batch layout runs the state's chunk-aligned prefix into a cache and every
     branch from it (the fast path, compiled with CUDA graphs on CUDA, where it is fp32's layout);
