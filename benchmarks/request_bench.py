@@ -1,21 +1,32 @@
-"""Host-side request compile time (JSON checks, base64, image decode and resize, tokenizer, prompt
-layout) for the latency benchmark's requests. CPU only; not a test.
+"""Host-side request compile time: everything `Engine.prepare` does on the host before the GPU
+works (JSON checks, base64, image decode and resize, chat template, tokenizer, prompt layout, and
+the host part of handing the images over), per phase. Not a test.
 
-    python benchmarks/request_bench.py --export EXPORT [--iters 20] [--out request.json]
+    python benchmarks/request_bench.py --export EXPORT [--iters 40] [--device cpu|cuda] [--out request.json]
 
-Builds nothing: point it at any export (the tiny fixture's is enough, the tokenizer and the
-image settings are the released ones). Reports the median per request, warm (question-piece
-cache filled) and cold (a fresh Compiler per request).
+Point it at any export (the tiny fixture's is enough: the tokenizer and the image settings are
+the released ones). Runs `Compiler.compile` with a vision callback, as `Engine.prepare` does:
+with --device cuda the callback is the engine's `pixel_values_on("cuda")` (the uint8 upload and
+the queued patchify; the vision tower itself is left out); on the CPU it copies each image once
+(the host's share of that upload: a copy of the pageable bytes into the driver's staging buffer).
+
+Each request is timed in both decode modes of the compiler: "threaded" (the default: images
+decode on a worker thread while the calling thread tokenizes) and "serial" (everything on the
+calling thread). Reports medians: warm (question-piece cache filled), cold (a fresh compiler per
+request), and per phase (`valen_runtime.request.PHASES`; decode-thread phases are that thread's
+time, overlapped with the calling thread's in threaded mode).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -24,38 +35,91 @@ sys.path.insert(0, str(HERE.parent))
 
 from bench_requests import benchmark_requests  # noqa: E402
 
+MODES = {"threaded": True, "serial": False}
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def image_handover(device: str):
+    """The vision callback's host work: the real upload on CUDA, its stand-in (one copy) on the CPU."""
+    import torch
+
+    if device == "cuda":
+        return lambda images: images.pixel_values_on("cuda")
+    return lambda images: [torch.empty_like(image).copy_(image) for image in images.images]
+
+
+def time_request(compiler_factory, request: dict, callback, iters: int) -> dict:
+    """Warm and cold medians (ms) of one request, and the warm median of every phase."""
+    warm = compiler_factory()
+    for _ in range(3):
+        warm.compile(request, callback)
+    totals, phases = [], []
+    for _ in range(iters):
+        timings: dict[str, float] = {}
+        started = time.perf_counter()
+        warm.compile(request, callback, timings)
+        totals.append(time.perf_counter() - started)
+        phases.append(timings)
+    cold = []
+    for _ in range(max(3, iters // 4)):
+        fresh = compiler_factory()
+        started = time.perf_counter()
+        fresh.compile(request, callback)
+        cold.append(time.perf_counter() - started)
+    names = sorted({name for entry in phases for name in entry})
+    return {
+        "warm_median_ms": statistics.median(totals) * 1e3,
+        "cold_median_ms": statistics.median(cold) * 1e3,
+        "phases_median_ms": {name: statistics.median(entry.get(name, 0.0) for entry in phases) * 1e3 for name in names},
+    }
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--export", type=Path, required=True)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
     import torch
+    from PIL import features
 
-    from valen_runtime.request import Compiler
+    from valen_runtime.request import PHASES, Compiler
 
     torch.set_num_threads(1)
-    report = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(), "requests": {}}
-    warm = Compiler.from_dir(args.export)
-    for name, req in benchmark_requests().items():
-        for _ in range(3):
-            warm.compile(req)
-        times = []
-        for _ in range(args.iters):
-            t = time.perf_counter()
-            warm.compile(req)
-            times.append(time.perf_counter() - t)
-        cold = []
-        for _ in range(max(3, args.iters // 4)):
-            fresh = Compiler.from_dir(args.export)
-            t = time.perf_counter()
-            fresh.compile(req)
-            cold.append(time.perf_counter() - t)
-        entry = {"warm_median_ms": statistics.median(times) * 1e3, "cold_median_ms": statistics.median(cold) * 1e3}
-        report["requests"][name] = entry
-        print(f"{name}: warm {entry['warm_median_ms']:.2f} ms, cold {entry['cold_median_ms']:.2f} ms", flush=True)
+    if args.device == "cuda":
+        torch.zeros(1, device="cuda")  # the CUDA context, outside the timings
+    report = {
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "device": args.device,
+        "iters": args.iters,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "pillow": _version("pillow"),
+            "pillow_zlib": features.version("zlib"),
+            "pillow_zlib_ng": features.version("zlib_ng") if features.check("zlib_ng") else None,
+            "tokenizers": _version("tokenizers"),
+        },
+        "phase_order": list(PHASES),
+        "requests": {},
+    }
+    callback = image_handover(args.device)
+    for name, request in benchmark_requests().items():
+        report["requests"][name] = entry = {}
+        for mode, threaded in MODES.items():
+            result = time_request(lambda: Compiler.from_dir(args.export, decode_in_thread=threaded), request, callback, args.iters)
+            entry[mode] = result
+            phases = ", ".join(f"{p} {result['phases_median_ms'][p]:.2f}" for p in PHASES if p in result["phases_median_ms"])
+            print(f"{name} [{mode}]: warm {result['warm_median_ms']:.2f} ms, cold {result['cold_median_ms']:.2f} ms ({phases})", flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
 
