@@ -3,6 +3,7 @@ works (JSON checks, base64, image decode and resize, chat template, tokenizer, p
 the host part of handing the images over), per phase. Not a test.
 
     python benchmarks/request_bench.py --export EXPORT [--iters 40] [--device cpu|cuda] [--out request.json]
+    python benchmarks/request_bench.py --decoders [--iters 40] [--out decoders.json]
 
 Point it at any export (the tiny fixture's is enough: the tokenizer and the image settings are
 the released ones). Runs `Compiler.compile` with a vision callback, as `Engine.prepare` does:
@@ -36,6 +37,88 @@ sys.path.insert(0, str(HERE.parent))
 from bench_requests import benchmark_requests  # noqa: E402
 
 MODES = {"threaded": True, "serial": False}
+
+
+def _median_ms(fn, iters: int) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def _idat(png: bytes) -> bytes:
+    """The concatenated zlib stream of a PNG's IDAT chunks."""
+    pos, parts = 8, []
+    while pos < len(png):
+        length = int.from_bytes(png[pos : pos + 4], "big")
+        if png[pos + 4 : pos + 8] == b"IDAT":
+            parts.append(png[pos + 8 : pos + 8 + length])
+        pos += 12 + length
+    return b"".join(parts)
+
+
+def decoder_comparison(iters: int) -> dict:
+    """PNG decode options on this machine, per test image: Pillow as the runtime calls it, Pillow
+    with one read for the whole stream, zlib's inflate alone (what any decoder of this file must
+    do, on one core), and torchvision.io.decode_png (libpng) where installed, checked against
+    Pillow's pixels."""
+    import base64
+    import io
+    import zlib
+
+    import numpy as np
+    from PIL import Image
+
+    from bench_requests import png_data_url
+
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:1024, 0:1024]
+    photo_like = np.stack([(x * 3) % 256, (y * 5) % 256, (x ^ y) % 256], -1) + rng.integers(0, 8, (1024, 1024, 3))
+    buffer = io.BytesIO()
+    Image.fromarray(photo_like.clip(0, 255).astype(np.uint8)).save(buffer, "PNG")
+    images = {
+        "a_448_synthetic": base64.b64decode(png_data_url(448, 448).split(",", 1)[1]),
+        "d_1024_synthetic": base64.b64decode(png_data_url(1024, 1024).split(",", 1)[1]),
+        "1024_noisy": buffer.getvalue(),
+    }
+    try:
+        import torch
+        import torchvision.io
+
+        torchvision_version = _version("torchvision")
+    except ImportError:
+        torchvision_version = None
+    results = {"torchvision": torchvision_version, "images": {}}
+    for name, png in images.items():
+        def pillow(block=None):
+            image = Image.open(io.BytesIO(png))
+            if block:
+                image.decodermaxblock = block
+            image.load()
+            return image
+
+        idat = _idat(png)
+        row_bytes = len(zlib.decompress(idat)) // pillow().size[1]
+        filters = sorted({zlib.decompress(idat)[i * row_bytes] for i in range(pillow().size[1])})
+        entry = {
+            "png_bytes": len(png),
+            "row_filters": filters,
+            "pillow_ms": _median_ms(pillow, iters),
+            "pillow_one_read_ms": _median_ms(lambda: pillow(len(png) + 1), iters),
+            "zlib_inflate_ms": _median_ms(lambda: zlib.decompress(idat), iters),
+        }
+        if torchvision_version:
+            encoded = torch.frombuffer(bytearray(png), dtype=torch.uint8)
+            decoded = torchvision.io.decode_png(encoded)
+            expected = torch.from_numpy(np.array(pillow().convert("RGB"))).permute(2, 0, 1)
+            entry["torchvision_decode_png_ms"] = _median_ms(lambda: torchvision.io.decode_png(encoded), iters)
+            entry["torchvision_equals_pillow"] = bool(torch.equal(decoded, expected))
+        results["images"][name] = entry
+        print(name, json.dumps(entry), flush=True)
+    return results
 
 
 def _version(dist: str) -> str:
@@ -82,7 +165,8 @@ def time_request(compiler_factory, request: dict, callback, iters: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--export", type=Path, required=True)
+    ap.add_argument("--export", type=Path)
+    ap.add_argument("--decoders", action="store_true", help="compare PNG decoders instead (no export needed)")
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--out", type=Path, default=None)
@@ -94,6 +178,13 @@ def main() -> None:
     from valen_runtime.request import PHASES, Compiler
 
     torch.set_num_threads(1)
+    if args.decoders:
+        report = {"cpus": os.cpu_count(), "pillow": _version("pillow"), **decoder_comparison(args.iters)}
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
+        return
+    if args.export is None:
+        ap.error("--export is required (or --decoders)")
     if args.device == "cuda":
         torch.zeros(1, device="cuda")  # the CUDA context, outside the timings
     report = {

@@ -255,6 +255,12 @@ class Compiler:
         self.image_token_id = tokenizer.token_id(self.image_token)
         self.video_token = tokenizer.special_tokens_map.get("video_token", "<|video_pad|>")
         self.video_token_id = tokenizer.token_id(self.video_token)
+        added = {token.content: token for token in tokenizer.backend.get_added_tokens_decoder().values()}
+        image_added = added.get(self.image_token)
+        # Whether the state can be tokenized with one image token per image (_expanded_after_tokenizing).
+        self._image_token_stands_alone = image_added is not None and image_added.special and not (
+            image_added.lstrip or image_added.rstrip or image_added.single_word or image_added.normalized
+        )
         # Question pieces recur from request to request (an agent asks the same questions of
         # every new state): their token ids are cached, the state is always tokenized afresh.
         self._piece_ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
@@ -569,22 +575,46 @@ class Compiler:
     def _tokenize_state(self, text: str, grids: list[list[int]]) -> tuple[list[int], list[int]]:
         """(input_ids, mm_token_type_ids) of the rendered state with each image's placeholder expanded."""
         merge_length = self.image_config.merge_size**2
-        # Same expansion as Qwen3VLProcessor.__call__: each placeholder, in order, becomes
-        # t * h * w / merge^2 copies; then the whole text is tokenized once. The processor's
-        # temporary marker would turn user text "<|placeholder|>" into image tokens there, so
-        # such a state is refused rather than compiled differently.
+        # The ids of Qwen3VLProcessor.__call__: each placeholder, in order, becomes t * h * w /
+        # merge^2 copies, then the whole text is tokenized once (here: the same ids from the
+        # unexpanded text where that is exact). The processor's temporary marker would turn user
+        # text "<|placeholder|>" into image tokens there, so such a state is refused rather than
+        # compiled differently.
         placeholder = "<|placeholder|>"
         if grids and placeholder in text:
             raise RequestError("state", f"text must not contain {placeholder} together with images")
-        for grid_t, grid_h, grid_w in grids:
-            count = grid_t * grid_h * grid_w // merge_length
-            text = text.replace(self.image_token, placeholder * count, 1)
-        text = text.replace(placeholder, self.image_token)
-        input_ids = self.tokenizer.encode_prompt(text)
+        counts = [grid_t * grid_h * grid_w // merge_length for grid_t, grid_h, grid_w in grids]
+        input_ids = self._expanded_after_tokenizing(text, counts) if self._image_token_stands_alone else None
+        if input_ids is None:
+            for count in counts:
+                text = text.replace(self.image_token, placeholder * count, 1)
+            text = text.replace(placeholder, self.image_token)
+            input_ids = self.tokenizer.encode_prompt(text)
         mm_token_type_ids = [
             1 if token == self.image_token_id else 2 if token == self.video_token_id else 0 for token in input_ids
         ]
         return input_ids, mm_token_type_ids
+
+    def _expanded_after_tokenizing(self, text: str, counts: list[int]) -> list[int] | None:
+        """The ids of the expanded text, from tokenizing the text with one image token per image
+        and repeating each image token's id (a 1024-token image costs one token, not 1024).
+
+        Exact when the image token is a special added token matched on its own (no lstrip,
+        rstrip, single_word or normalisation; checked at load): the tokenizer splits such tokens
+        out before anything else, so N copies in the text are N ids and the text between is
+        tokenized alone either way. None (expand the text instead) if the ids hold another count.
+        """
+        ids = self.tokenizer.encode_prompt(text)
+        positions = [index for index, token in enumerate(ids) if token == self.image_token_id]
+        if len(positions) != len(counts):
+            return None
+        expanded, start = [], 0
+        for position, count in zip(positions, counts):
+            expanded += ids[start:position]
+            expanded += [self.image_token_id] * count
+            start = position + 1
+        expanded += ids[start:]
+        return expanded
 
     def _compile_question(self, question: _ParsedQuestion, base_length: int) -> Question:
         encode = self._encode_piece

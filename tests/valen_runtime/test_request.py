@@ -821,3 +821,49 @@ def test_phase_timings_partition_the_calling_thread(compiler):
     assert {"json", "validate", "image_open", "tokenize", "image_wait", "on_images", "questions", "decode", "resize"} <= set(timings)
     calling = ("json", "validate", "state_parse", "image_open", "template", "tokenize", "image_wait", "on_images", "questions")
     assert sum(timings.get(name, 0.0) for name in calling) <= wall
+
+
+def test_image_ids_expanded_after_tokenizing_equal_the_expanded_text(folder, monkeypatch):
+    # The fixture's image token is a plain special token, so states are tokenized with one image
+    # token per image and the ids repeated; tokenizing the fully expanded text must agree.
+    fast = Compiler.from_dir(folder)
+    slow = Compiler.from_dir(folder)
+    assert fast._image_token_stands_alone
+    slow._image_token_stands_alone = False
+    urls = [data_url(png(64, 64, seed=1)), data_url(png(300, 90, seed=2)), data_url(jpeg_rotated(40, 90), "jpeg")]
+    content = [
+        {"type": "text", "text": "a<b> "}, {"type": "image", "image": urls[0]}, {"type": "text", "text": " c "},
+        {"type": "image", "image": urls[2]}, {"type": "image", "image": urls[1]}, {"type": "text", "text": "\n"},
+    ]
+    states = [{"image": urls[1]}, {"messages": [{"role": "system", "content": "Judge."}, {"role": "user", "content": content}]}]
+    for state in states:
+        assert compile_summary(fast.compile(request(state=state))) == compile_summary(slow.compile(request(state=state)))
+    # Guard: the two compilers really took different paths (image tokens the tokenizer saw).
+    seen = {}
+
+    def counting(name, real):
+        def encode(text):
+            seen[name] = text.count("<|image_pad|>")
+            return real(text)
+
+        return encode
+
+    for name, compiler in (("fast", fast), ("slow", slow)):
+        monkeypatch.setattr(compiler.tokenizer, "encode_prompt", counting(name, compiler.tokenizer.encode_prompt))
+        compiled = compiler.compile(request(state=states[0]))
+    assert seen == {"fast": 1, "slow": sum(compiled.state.mm_token_type_ids)} and seen["slow"] > 1
+
+
+def test_image_token_with_strip_flags_is_expanded_in_the_text(folder, tmp_path):
+    # An image token that swallows neighbouring spaces (lstrip) changes the text between image
+    # tokens, so the repeat-the-id shortcut is off for such a tokenizer.
+    changed = tmp_path / "lstrip"
+    changed.mkdir()
+    for path in folder.iterdir():
+        (changed / path.name).write_bytes(path.read_bytes())
+    tokenizer_json = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    for token in tokenizer_json["added_tokens"]:
+        if token["content"] == "<|image_pad|>":
+            token["lstrip"] = True
+    (changed / "tokenizer.json").write_text(json.dumps(tokenizer_json), encoding="utf-8")
+    assert not Compiler.from_dir(changed)._image_token_stands_alone
