@@ -11,11 +11,12 @@ with --device cuda the callback is the engine's `pixel_values_on("cuda")` (the u
 the queued patchify; the vision tower itself is left out); on the CPU it copies each image once
 (the host's share of that upload: a copy of the pageable bytes into the driver's staging buffer).
 
-Each request is timed in both decode modes of the compiler: "threaded" (the default: images
-decode on a worker thread while the calling thread tokenizes) and "serial" (everything on the
-calling thread). Reports medians: warm (question-piece cache filled), cold (a fresh compiler per
+Each request is timed in the compiler's three decode modes: "auto" (the default: the pool where
+there is work to overlap, see `Compiler._worth_a_thread`), "threaded" (images always decode on a
+pool thread while the calling thread tokenizes) and "serial" (everything on the calling thread).
+Reports medians: warm (question-piece cache filled), cold (a fresh compiler per
 request), and per phase (`valen_runtime.request.PHASES`; decode-thread phases are that thread's
-time, overlapped with the calling thread's in threaded mode).
+time, overlapped with the calling thread's where the pool decoded).
 """
 
 from __future__ import annotations
@@ -34,9 +35,23 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from bench_requests import benchmark_requests  # noqa: E402
+from bench_requests import benchmark_requests, png_data_url, text_of  # noqa: E402
 
-MODES = {"threaded": True, "serial": False}
+MODES = {"auto": None, "threaded": True, "serial": False}
+
+
+def host_requests() -> dict[str, dict]:
+    """The latency benchmark's requests, plus one where the decode threads have the most to do:
+    four different 448² images (the message-list limit) and a 700-word text."""
+    requests = dict(benchmark_requests())
+    content = [{"type": "image", "image": png_data_url(448, 448, seed=seed)} for seed in range(4)]
+    content.append({"type": "text", "text": text_of(700)})
+    requests["e_4images448_text700"] = {
+        "model": "valen-preview-0923",
+        "state": {"messages": [{"role": "user", "content": content}]},
+        "questions": requests["a_image448_7branch"]["questions"],
+    }
+    return requests
 
 
 def _median_ms(fn, iters: int) -> float:
@@ -200,17 +215,19 @@ def main() -> None:
             "pillow_zlib_ng": features.version("zlib_ng") if features.check("zlib_ng") else None,
             "tokenizers": _version("tokenizers"),
         },
+        "load_average_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "phase_order": list(PHASES),
         "requests": {},
     }
     callback = image_handover(args.device)
-    for name, request in benchmark_requests().items():
+    for name, request in host_requests().items():
         report["requests"][name] = entry = {}
-        for mode, threaded in MODES.items():
-            result = time_request(lambda: Compiler.from_dir(args.export, decode_in_thread=threaded), request, callback, args.iters)
+        for mode, in_thread in MODES.items():
+            result = time_request(lambda: Compiler.from_dir(args.export, decode_in_thread=in_thread), request, callback, args.iters)
             entry[mode] = result
             phases = ", ".join(f"{p} {result['phases_median_ms'][p]:.2f}" for p in PHASES if p in result["phases_median_ms"])
             print(f"{name} [{mode}]: warm {result['warm_median_ms']:.2f} ms, cold {result['cold_median_ms']:.2f} ms ({phases})", flush=True)
+    report["load_average_at_end"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
 

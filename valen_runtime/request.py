@@ -64,10 +64,11 @@ NOUL_CANDIDATES = (
 )
 # What `Compiler.compile(..., timings=)` reports, seconds per phase. On the calling thread: json
 # (compile_bytes only), validate (the wire contract and the questions' text), state_parse (state
-# shape, base64), image_open (headers and limits), template (chat template), tokenize (placeholder
-# expansion, tokenizer, image-token types), image_wait (blocked on the decode threads),
-# on_images (the caller's callback), questions (branch layout). On the decode threads, summed
-# over images: decode (PIL: inflate, unfilter, EXIF turn, RGB), to_tensor (out of PIL), resize.
+# shape, base64), image_open (headers and limits, and starting each decode), template (chat
+# template), tokenize (tokenizer, image-token expansion and types), image_wait (blocked on the
+# decode threads), on_images (the caller's callback), questions (branch layout). Where the images
+# were decoded, summed over them: decode (PIL: inflate, unfilter, EXIF turn, RGB), to_tensor (the
+# copy out of PIL), resize.
 PHASES = ("json", "validate", "state_parse", "image_open", "template", "tokenize", "image_wait", "on_images",
           "questions", "decode", "to_tensor", "resize")
 _DATA_URL_PREFIXES = {"data:image/png;base64,": "png", "data:image/jpeg;base64,": "jpeg"}
@@ -207,6 +208,10 @@ class _Phases:
 # Images decode on these threads while the calling thread tokenizes: PIL's decoders, zlib and
 # torch's resize run without the GIL. One per image a request may carry; shared by every compiler.
 _DECODE_THREADS = MAX_MESSAGE_IMAGES
+# One image with a short text decodes on the calling thread: handing it to a pool thread costs
+# about 0.1 ms (request (a), docs/benchmarks.md), and the tokenizer needs about 0.22 us a
+# character (request (c)), so overlap pays from some 500 characters; 1000 keeps a margin.
+_OVERLAP_MIN_TEXT_CHARS = 1000
 _decode_pool: ThreadPoolExecutor | None = None
 _decode_pool_lock = threading.Lock()
 
@@ -239,10 +244,12 @@ class Compiler:
         max_length: int = DEFAULT_MAX_LENGTH,
         media_kwargs: dict | None = None,
         image_limits: ImageLimits = ImageLimits(),
-        decode_in_thread: bool = True,
+        decode_in_thread: bool | None = None,
     ):
         """decode_in_thread: decode and resize images on a shared worker pool while this thread
-        renders and tokenizes the state (same results; False does everything on the caller)."""
+        renders and tokenizes the state (True), or everything on the caller (False); None (the
+        default) uses the pool only where there is work to overlap (`_worth_a_thread`). The
+        results are the same either way."""
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
             raise ConfigError(f"max_length must be a positive integer, got {max_length!r}")
         self.tokenizer = tokenizer
@@ -279,7 +286,7 @@ class Compiler:
 
     @classmethod
     def from_dir(cls, export_dir: Path, max_length: int = DEFAULT_MAX_LENGTH, media_kwargs: dict | None = None,
-                 decode_in_thread: bool = True) -> "Compiler":
+                 decode_in_thread: bool | None = None) -> "Compiler":
         """Read tokenizer.json, tokenizer_config.json, chat_template.jinja, preprocessor_config.json."""
         export_dir = Path(export_dir)
         tokenizer = Tokenizer.from_dir(export_dir)
@@ -466,7 +473,7 @@ class Compiler:
         swaps height and width, which keeps it; a count that still differs re-tokenizes. Without
         the pool the images are ready first and `on_images` runs before the tokenizer."""
         phases = phases or _Phases(None)
-        pending = self._start_images(images)
+        pending = self._start_images(images, self._worth_a_thread(messages, images))
         phases.lap("image_open")
         image_inputs = None
         if all(isinstance(item.result, _PreparedImage) for item in pending):
@@ -508,9 +515,19 @@ class Compiler:
             phases.lap("on_images")
         return image_inputs
 
-    def _start_images(self, images: list[_ImageItem]) -> list[_PendingImage]:
+    def _worth_a_thread(self, messages: list[dict], images: list[_ImageItem]) -> bool:
+        """Whether to decode on the pool: always or never if the compiler was told; by default when
+        the images can decode side by side or the text takes long enough to tokenize."""
+        if self.decode_in_thread is not None:
+            return self.decode_in_thread and bool(images)
+        if len(images) > 1:
+            return True
+        text_chars = sum(len(item["text"]) for message in messages for item in message["content"] if item["type"] == "text")
+        return bool(images) and text_chars >= _OVERLAP_MIN_TEXT_CHARS
+
+    def _start_images(self, images: list[_ImageItem], in_threads: bool) -> list[_PendingImage]:
         """Check each header (in order, on this thread) and start its decode; [] for text states."""
-        pool = _shared_decode_pool() if self.decode_in_thread and images else None
+        pool = _shared_decode_pool() if in_threads else None
         pending: list[_PendingImage] = []
         for image in images:
             try:

@@ -738,7 +738,7 @@ def test_a_wrong_grid_guess_is_corrected(folder, monkeypatch):
     url = data_url(png(96, 64, seed=9))
     expected = compile_summary(Compiler.from_dir(folder, decode_in_thread=False).compile(request(state={"image": url})))
     monkeypatch.setattr(request_module, "grid_for_size", lambda height, width, config: (1, 2, 2))
-    assert compile_summary(Compiler.from_dir(folder).compile(request(state={"image": url}))) == expected
+    assert compile_summary(Compiler.from_dir(folder, decode_in_thread=True).compile(request(state={"image": url}))) == expected
 
 
 def test_an_image_whose_grid_cannot_be_guessed_reports_the_decode_error(folder):
@@ -768,6 +768,29 @@ def compile_summary(compiled: CompiledRequest) -> tuple:
         None if state.image_grid_thw is None else state.image_grid_thw.tolist(),
         [(b.suffix_ids, b.candidate_positions, b.decision_position) for q in compiled.questions for b in q.branches],
     )
+
+
+def test_by_default_the_pool_is_used_where_there_is_work_to_overlap(folder, monkeypatch):
+    # One image with a short text decodes on the calling thread (the hook then comes before the
+    # tokenizer, as the vision tower is best started early); several images, or one image with a
+    # long text, decode on the pool while the text is tokenized.
+    import valen_runtime.request as request_module
+
+    compiler = Compiler.from_dir(folder)
+    events = []
+    real_encode = compiler.tokenizer.encode_prompt
+    monkeypatch.setattr(compiler.tokenizer, "encode_prompt", lambda text: events.append("tokenize") or real_encode(text))
+    url = data_url(png(48, 48, seed=6))
+    cases = {
+        "one image, short text": ([url], "x" * (request_module._OVERLAP_MIN_TEXT_CHARS - 1), ["images", "tokenize"]),
+        "one image, long text": ([url], "x" * request_module._OVERLAP_MIN_TEXT_CHARS, ["tokenize", "images"]),
+        "two images": ([url, url], "x", ["tokenize", "images"]),
+    }
+    for name, (urls, text, expected) in cases.items():
+        events.clear()
+        content = [{"type": "image", "image": u} for u in urls] + [{"type": "text", "text": text}]
+        compiler.compile(request(state={"messages": [{"role": "user", "content": content}]}), lambda images: events.append("images"))
+        assert events == expected, name
 
 
 def test_concurrent_compiles_equal_serial_ones(folder):
