@@ -152,11 +152,13 @@ def image_handover(device: str):
     return lambda images: [torch.empty_like(image).copy_(image) for image in images.images]
 
 
-def time_request(compiler_factory, request: dict, callback, iters: int) -> dict:
-    """Warm and cold medians (ms) of one request, and the warm median of every phase."""
+def time_request(compiler_factory, request: dict, callback, iters: int, settle=lambda: None) -> dict:
+    """Warm and cold medians (ms) of one request, and the warm median of every phase.
+    settle: run after each timed compile, untimed (on CUDA: wait for the queued copies)."""
     warm = compiler_factory()
     for _ in range(3):
         warm.compile(request, callback)
+        settle()
     totals, phases = [], []
     for _ in range(iters):
         timings: dict[str, float] = {}
@@ -164,12 +166,14 @@ def time_request(compiler_factory, request: dict, callback, iters: int) -> dict:
         warm.compile(request, callback, timings)
         totals.append(time.perf_counter() - started)
         phases.append(timings)
+        settle()
     cold = []
     for _ in range(max(3, iters // 4)):
         fresh = compiler_factory()
         started = time.perf_counter()
         fresh.compile(request, callback)
         cold.append(time.perf_counter() - started)
+        settle()
     names = sorted({name for entry in phases for name in entry})
     return {
         "warm_median_ms": statistics.median(totals) * 1e3,
@@ -220,10 +224,11 @@ def main() -> None:
         "requests": {},
     }
     callback = image_handover(args.device)
+    settle = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     for name, request in host_requests().items():
         report["requests"][name] = entry = {}
         for mode, in_thread in MODES.items():
-            result = time_request(lambda: Compiler.from_dir(args.export, decode_in_thread=in_thread), request, callback, args.iters)
+            result = time_request(lambda: Compiler.from_dir(args.export, decode_in_thread=in_thread), request, callback, args.iters, settle)
             entry[mode] = result
             phases = ", ".join(f"{p} {result['phases_median_ms'][p]:.2f}" for p in PHASES if p in result["phases_median_ms"])
             print(f"{name} [{mode}]: warm {result['warm_median_ms']:.2f} ms, cold {result['cold_median_ms']:.2f} ms ({phases})", flush=True)
