@@ -174,15 +174,15 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def decode_image(data: bytes, mime_format: str | None, field_name: str, limits: ImageLimits = ImageLimits()) -> Image.Image:
-    """Decode untrusted PNG / JPEG bytes to an RGB PIL image, EXIF orientation applied.
+def open_image(data: bytes, mime_format: str | None, field_name: str, limits: ImageLimits = ImageLimits()) -> Image.Image:
+    """Read the header of untrusted PNG / JPEG bytes and check every limit; no pixel is decoded.
 
     Args:
         data: the encoded file.
         mime_format: "png" or "jpeg" (the data URL's type; the decoded format must match), or
             None to accept either.
         field_name: JSON path used in every RequestError.
-        limits: size limits, checked on the header before pixels are decoded.
+        limits: size limits, checked here on the header.
     """
     if len(data) > limits.max_bytes:
         raise RequestError(field_name, f"image is {len(data)} bytes; the limit is {limits.max_bytes}")
@@ -206,6 +206,15 @@ def decode_image(data: bytes, mime_format: str | None, field_name: str, limits: 
         raise RequestError(field_name, f"image aspect ratio {width}x{height} exceeds {limits.max_aspect_ratio}")
     if getattr(image, "n_frames", 1) != 1 or getattr(image, "is_animated", False):
         raise RequestError(field_name, "animated images are not supported; send a single frame")
+    return image
+
+
+def load_image(image: Image.Image, field_name: str) -> Image.Image:
+    """Decode the pixels of an opened image: RGB, EXIF orientation applied.
+
+    The orientation is only known after the load (a PNG may carry its eXIf chunk after the pixel
+    data), so the decoded size can differ from the header's `image.size`.
+    """
     try:
         image.load()
         ImageOps.exif_transpose(image, in_place=True)  # no full copy when there is nothing to turn
@@ -214,6 +223,14 @@ def decode_image(data: bytes, mime_format: str | None, field_name: str, limits: 
     except Exception as exc:
         raise RequestError(field_name, f"image data is corrupt or truncated ({type(exc).__name__})") from exc
     return image
+
+
+def decode_image(data: bytes, mime_format: str | None, field_name: str, limits: ImageLimits = ImageLimits()) -> Image.Image:
+    """Decode untrusted PNG / JPEG bytes to an RGB PIL image, EXIF orientation applied.
+
+    `open_image` (header and limits) then `load_image` (pixels); see those for the arguments.
+    """
+    return load_image(open_image(data, mime_format, field_name, limits), field_name)
 
 
 def image_to_tensor(image: Image.Image) -> torch.Tensor:
@@ -240,14 +257,25 @@ def resize_for_patches(image: Image.Image | torch.Tensor, config: ImageConfig) -
         raise ValueError(f"expected a uint8 [3, H, W] tensor, got {pixels.dtype} {tuple(pixels.shape)}")
     height, width = pixels.shape[-2:]
     batch = pixels.unsqueeze(0)  # [1, C, H, W], as the processor's per-shape stacking gives
+    new_height, new_width = resized_size(height, width, config)
+    if (new_height, new_width) != (height, width):
+        batch = F.interpolate(batch, size=[new_height, new_width], mode="bicubic", align_corners=False, antialias=True)
+    return batch
+
+
+def resized_size(height: int, width: int, config: ImageConfig) -> tuple[int, int]:
+    """(height, width) that `resize_for_patches` gives an image of this size; ValueError as it."""
     if config.do_resize:
-        new_height, new_width = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
-        if (new_height, new_width) != (height, width):
-            batch = F.interpolate(batch, size=[new_height, new_width], mode="bicubic", align_corners=False, antialias=True)
-    height, width = batch.shape[-2:]
+        height, width = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
     if height % config.factor or width % config.factor:
         raise ValueError(f"image size {height}x{width} is not a multiple of {config.factor}; enable do_resize")
-    return batch
+    return height, width
+
+
+def grid_for_size(height: int, width: int, config: ImageConfig) -> tuple[int, int, int]:
+    """(t, h, w) in patches of a still image of this decoded size, before any pixel exists."""
+    new_height, new_width = resized_size(height, width, config)
+    return -(-1 // config.temporal_patch_size), new_height // config.patch_size, new_width // config.patch_size
 
 
 def patch_grid(batch: torch.Tensor, config: ImageConfig) -> tuple[int, int, int]:
@@ -261,25 +289,26 @@ def patchify(batch: torch.Tensor, config: ImageConfig) -> ProcessedImage:
     Only IEEE-exact operations (cast, subtract, divide) and a permutation, so the result is the
     same bit for bit on any device; the engine runs it next to the vision tower.
     """
-    height, width = batch.shape[-2:]
-    values = _rescale_and_normalize(batch, config)  # [1, C, H, W] fp32
-
     p, tp, m = config.patch_size, config.temporal_patch_size, config.merge_size
-    frames = values.unsqueeze(1)  # [1, T=1, C, H, W]
+    frames = batch.unsqueeze(1)  # [1, T=1, C, H, W] uint8
     if frames.shape[1] % tp:
         frames = torch.cat([frames, frames[:, -1:].repeat(1, tp - 1, 1, 1, 1)], dim=1)
     channels = frames.shape[2]
     grid_t, grid_h, grid_w = patch_grid(batch, config)
     patches = frames.reshape(1, grid_t, tp, channels, grid_h // m, m, p, grid_w // m, m, p)
-    # -> [1, t, h/m, w/m, m, m, C, tp, p, p]: merge-window order, then channel, time, row, column
-    patches = patches.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
-    flat = patches.reshape(grid_t * grid_h * grid_w, channels * tp * p * p)
+    # -> [1, t, h/m, w/m, m, m, C, tp, p, p]: merge-window order, then channel, time, row, column.
+    # Rearranged while still uint8 (a quarter of the bytes to move); the arithmetic is per
+    # element, so normalising afterwards gives the same bits.
+    patches = patches.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9).reshape(grid_t * grid_h * grid_w, channels, tp, p * p)
+    values = _rescale_and_normalize(patches, config)  # [N, C, tp, p * p] fp32, C third from last
+    flat = values.reshape(grid_t * grid_h * grid_w, channels * tp * p * p)
     return ProcessedImage(pixel_values=flat, grid_thw=(grid_t, grid_h, grid_w))
 
 
 def _rescale_and_normalize(batch: torch.Tensor, config: ImageConfig) -> torch.Tensor:
-    # 5.4.0 fuses rescale into normalise: mean and std are scaled by 1 / rescale_factor in FP32,
-    # then (x - mean) / std on the FP32 image; (x - 127.5) / 127.5 for the Qwen values.
+    # uint8 [..., C, X, Y] -> fp32. 5.4.0 fuses rescale into normalise: mean and std are scaled
+    # by 1 / rescale_factor in FP32, then (x - mean) / std on the FP32 image; (x - 127.5) / 127.5
+    # for the Qwen values.
     if config.do_normalize:
         mean = torch.tensor(config.image_mean, dtype=torch.float32)
         std = torch.tensor(config.image_std, dtype=torch.float32)

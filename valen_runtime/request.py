@@ -11,7 +11,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
+import os
+import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,7 +25,18 @@ import jinja2
 import torch
 
 from .errors import ConfigError, RequestError
-from .image import ImageConfig, ImageLimits, decode_image, patch_grid, patchify, resize_for_patches, stack_images
+from .image import (
+    ImageConfig,
+    ImageLimits,
+    grid_for_size,
+    image_to_tensor,
+    load_image,
+    open_image,
+    patch_grid,
+    patchify,
+    resize_for_patches,
+    stack_images,
+)
 from .tokenizer import Tokenizer
 
 # The wire contract (limits, strict JSON, request shape) lives in wire.py; re-exported for callers.
@@ -46,6 +62,15 @@ NOUL_CANDIDATES = (
     ("true", "True / \u662f\uff1a\u6ee1\u8db3\u95ee\u9898\u4e2d\u7684\u6761\u4ef6\u3002"),
     ("false", "False / \u5426\uff1a\u4e0d\u6ee1\u8db3\u95ee\u9898\u4e2d\u7684\u6761\u4ef6\u3002"),
 )
+# What `Compiler.compile(..., timings=)` reports, seconds per phase. On the calling thread: json
+# (compile_bytes only), validate (the wire contract and the questions' text), state_parse (state
+# shape, base64), image_open (headers and limits, and starting each decode), template (chat
+# template), tokenize (tokenizer, image-token expansion and types), image_wait (blocked on the
+# decode threads), on_images (the caller's callback), questions (branch layout). Where the images
+# were decoded, summed over them: decode (PIL: inflate, unfilter, EXIF turn, RGB), to_tensor (the
+# copy out of PIL), resize.
+PHASES = ("json", "validate", "state_parse", "image_open", "template", "tokenize", "image_wait", "on_images",
+          "questions", "decode", "to_tensor", "resize")
 _DATA_URL_PREFIXES = {"data:image/png;base64,": "png", "data:image/jpeg;base64,": "jpeg"}
 _ROLES = ("user", "assistant", "system")
 
@@ -145,6 +170,70 @@ class _ImageItem:
     field: str
 
 
+@dataclass
+class _PreparedImage:
+    batch: torch.Tensor  # resized uint8 [1, C, H, W]
+    grid: tuple[int, int, int]
+    seconds: dict[str, float]  # decode, to_tensor, resize (on the thread that ran them)
+
+
+@dataclass
+class _PendingImage:
+    header_size: tuple[int, int]  # (width, height) before any EXIF turn
+    result: Future | _PreparedImage  # a Future while a pool thread decodes it
+
+    def wait(self) -> _PreparedImage:
+        return self.result.result() if isinstance(self.result, Future) else self.result
+
+
+class _Phases:
+    """Adds the wall-clock seconds since the last lap to `timings[name]`; nothing when it is None."""
+
+    def __init__(self, timings: dict | None):
+        self.timings = timings
+        self.last = time.perf_counter() if timings is not None else 0.0
+
+    def lap(self, name: str) -> None:
+        if self.timings is not None:
+            now = time.perf_counter()
+            self.timings[name] = self.timings.get(name, 0.0) + (now - self.last)
+            self.last = now
+
+    def add(self, seconds: dict[str, float]) -> None:
+        if self.timings is not None:
+            for name, value in seconds.items():
+                self.timings[name] = self.timings.get(name, 0.0) + value
+
+
+# Images decode on these threads while the calling thread tokenizes: PIL's decoders, zlib and
+# torch's resize run without the GIL. One per image a request may carry; shared by every compiler.
+_DECODE_THREADS = MAX_MESSAGE_IMAGES
+# One image with a short text decodes on the calling thread: handing it to a pool thread costs
+# about 0.1 ms (request (a), docs/benchmarks.md), and the tokenizer needs about 0.22 us a
+# character (request (c)), so overlap pays from some 500 characters; 1000 keeps a margin.
+_OVERLAP_MIN_TEXT_CHARS = 1000
+_decode_pool: ThreadPoolExecutor | None = None
+_decode_pool_lock = threading.Lock()
+
+
+def _shared_decode_pool() -> ThreadPoolExecutor:
+    global _decode_pool
+    with _decode_pool_lock:
+        if _decode_pool is None:
+            _decode_pool = ThreadPoolExecutor(max_workers=_DECODE_THREADS, thread_name_prefix="valen-image")
+        return _decode_pool
+
+
+def _forget_decode_pool_after_fork() -> None:
+    # A forked child inherits the pool object but not its threads: start a fresh one there.
+    global _decode_pool, _decode_pool_lock
+    _decode_pool, _decode_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_decode_pool_after_fork)
+
+
 class Compiler:
     """Builds CompiledRequest objects for one exported model folder."""
 
@@ -155,7 +244,12 @@ class Compiler:
         max_length: int = DEFAULT_MAX_LENGTH,
         media_kwargs: dict | None = None,
         image_limits: ImageLimits = ImageLimits(),
+        decode_in_thread: bool | None = None,
     ):
+        """decode_in_thread: decode and resize images on a shared worker pool while this thread
+        renders and tokenizes the state (True), or everything on the caller (False); None (the
+        default) uses the pool only where there is work to overlap (`_worth_a_thread`). The
+        results are the same either way."""
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
             raise ConfigError(f"max_length must be a positive integer, got {max_length!r}")
         self.tokenizer = tokenizer
@@ -163,10 +257,17 @@ class Compiler:
         self.max_length = max_length
         self.media_kwargs = dict(media_kwargs or {})
         self.image_limits = image_limits
+        self.decode_in_thread = decode_in_thread
         self.image_token = tokenizer.special_tokens_map.get("image_token", "<|image_pad|>")
         self.image_token_id = tokenizer.token_id(self.image_token)
         self.video_token = tokenizer.special_tokens_map.get("video_token", "<|video_pad|>")
         self.video_token_id = tokenizer.token_id(self.video_token)
+        added = {token.content: token for token in tokenizer.backend.get_added_tokens_decoder().values()}
+        image_added = added.get(self.image_token)
+        # Whether the state can be tokenized with one image token per image (_expanded_after_tokenizing).
+        self._image_token_stands_alone = image_added is not None and image_added.special and not (
+            image_added.lstrip or image_added.rstrip or image_added.single_word or image_added.normalized
+        )
         # Question pieces recur from request to request (an agent asks the same questions of
         # every new state): their token ids are cached, the state is always tokenized afresh.
         self._piece_ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
@@ -184,29 +285,41 @@ class Compiler:
         return list(ids)
 
     @classmethod
-    def from_dir(cls, export_dir: Path, max_length: int = DEFAULT_MAX_LENGTH, media_kwargs: dict | None = None) -> "Compiler":
+    def from_dir(cls, export_dir: Path, max_length: int = DEFAULT_MAX_LENGTH, media_kwargs: dict | None = None,
+                 decode_in_thread: bool | None = None) -> "Compiler":
         """Read tokenizer.json, tokenizer_config.json, chat_template.jinja, preprocessor_config.json."""
         export_dir = Path(export_dir)
         tokenizer = Tokenizer.from_dir(export_dir)
         image_config = ImageConfig.from_file(export_dir / "preprocessor_config.json")
-        return cls(tokenizer, image_config, max_length=max_length, media_kwargs=media_kwargs)
+        return cls(tokenizer, image_config, max_length=max_length, media_kwargs=media_kwargs, decode_in_thread=decode_in_thread)
 
     # ---------------------------------------------------------------- public entry points
 
-    def compile_bytes(self, data: bytes, on_images: Callable[[ImageInputs], None] | None = None) -> CompiledRequest:
-        return self.compile(parse_request_bytes(data), on_images)
+    def compile_bytes(self, data: bytes, on_images: Callable[[ImageInputs], None] | None = None,
+                      timings: dict | None = None) -> CompiledRequest:
+        phases = _Phases(timings)
+        request = parse_request_bytes(data)
+        phases.lap("json")
+        return self.compile(request, on_images, timings)
 
-    def compile(self, request: dict, on_images: Callable[[ImageInputs], None] | None = None) -> CompiledRequest:
+    def compile(self, request: dict, on_images: Callable[[ImageInputs], None] | None = None,
+                timings: dict | None = None) -> CompiledRequest:
         """Validate a parsed request and compile it; raises RequestError on any bad input.
 
-        on_images: called with the state's images once they are decoded and resized, before the
-        state is tokenized (not for text-only states); an engine starts the vision tower there.
+        on_images: called on this thread with the state's images as soon as they are decoded and
+            resized (not for text-only states), before the questions are laid out; an engine
+            starts the vision tower there. The state's text is tokenized while the images decode.
+        timings: when given, seconds per phase are added to it (see `PHASES`).
         """
+        phases = _Phases(timings)
         request = validate_request(request)  # the wire contract (keys, model, shapes, limits), then what needs the export
         questions = self._parse_questions(request["questions"])
+        phases.lap("validate")
         messages, images = self._parse_state(request["state"])
-        state = self._encode_state(messages, images, on_images)
+        phases.lap("state_parse")
+        state = self._encode_state(messages, images, on_images, phases)
         compiled = [self._compile_question(q, len(state.input_ids)) for q in questions]
+        phases.lap("questions")
         base = len(state.input_ids)
         suffix_total = sum(len(b.suffix_ids) for q in compiled for b in q.branches)
         branch_count = sum(len(q.branches) for q in compiled)
@@ -353,46 +466,172 @@ class Compiler:
     # ---------------------------------------------------------------- encoding
 
     def _encode_state(self, messages: list[dict], images: list[_ImageItem],
-                      on_images: Callable[[ImageInputs], None] | None = None) -> StateInputs:
-        resized, grids = [], []
+                      on_images: Callable[[ImageInputs], None] | None = None,
+                      phases: _Phases | None = None) -> StateInputs:
+        """Images decode on the pool while this thread renders and tokenizes the state with the
+        grids the headers predict. Only each grid's token count enters the text, and an EXIF turn
+        swaps height and width, which keeps it; a count that still differs re-tokenizes. Without
+        the pool the images are ready first and `on_images` runs before the tokenizer."""
+        phases = phases or _Phases(None)
+        pending = self._start_images(images, self._worth_a_thread(messages, images))
+        phases.lap("image_open")
+        image_inputs = None
+        if all(isinstance(item.result, _PreparedImage) for item in pending):
+            image_inputs = self._hand_over_images(pending, on_images, phases)
+        predicted = self._predicted_grids(pending)
+        try:
+            text = self._render_state(messages, len(images))
+            phases.lap("template")
+            encoded = self._tokenize_state(text, predicted) if predicted is not None else None
+            phases.lap("tokenize")
+        except BaseException:
+            _results(pending)  # an image's error comes first, as when everything ran in order
+            raise
+        if image_inputs is None:
+            image_inputs = self._hand_over_images(pending, on_images, phases)
+        grids = [list(item.grid) for item in _results(pending)]
+        if encoded is None or [math.prod(g) for g in grids] != [math.prod(g) for g in predicted]:
+            encoded = self._tokenize_state(text, grids)
+            phases.lap("tokenize")
+        input_ids, mm_token_type_ids = encoded
+        if image_inputs is None:
+            return StateInputs(input_ids, mm_token_type_ids, [], None, self.image_config)
+        return StateInputs(input_ids, mm_token_type_ids, image_inputs.images, image_inputs.grid_thw, self.image_config)
+
+    def _hand_over_images(self, pending: list[_PendingImage], on_images: Callable[[ImageInputs], None] | None,
+                          phases: _Phases) -> ImageInputs | None:
+        """Wait for the decodes (in order; the first error is raised) and call `on_images` with
+        them; None for a text state."""
+        prepared = _results(pending)
+        phases.lap("image_wait")
+        if not prepared:
+            return None
+        for item in prepared:
+            phases.add(item.seconds)
+        grid_thw = torch.tensor([item.grid for item in prepared], dtype=torch.int64)  # [n_images, 3]
+        image_inputs = ImageInputs([item.batch for item in prepared], grid_thw, self.image_config)
+        if on_images is not None:
+            on_images(image_inputs)
+            phases.lap("on_images")
+        return image_inputs
+
+    def _worth_a_thread(self, messages: list[dict], images: list[_ImageItem]) -> bool:
+        """Whether to decode on the pool: always or never if the compiler was told; by default when
+        the images can decode side by side or the text takes long enough to tokenize."""
+        if self.decode_in_thread is not None:
+            return self.decode_in_thread and bool(images)
+        if len(images) > 1:
+            return True
+        text_chars = sum(len(item["text"]) for message in messages for item in message["content"] if item["type"] == "text")
+        return bool(images) and text_chars >= _OVERLAP_MIN_TEXT_CHARS
+
+    def _start_images(self, images: list[_ImageItem], in_threads: bool) -> list[_PendingImage]:
+        """Check each header (in order, on this thread) and start its decode; [] for text states."""
+        pool = _shared_decode_pool() if in_threads else None
+        pending: list[_PendingImage] = []
         for image in images:
-            decoded = decode_image(image.data, image.mime_format, image.field, self.image_limits)
             try:
-                batch = resize_for_patches(decoded, self.image_config)  # uint8 [1, C, H, W]
-            except ValueError as exc:
-                raise RequestError(image.field, str(exc)) from exc
-            resized.append(batch)
-            grids.append(patch_grid(batch, self.image_config))
-        grid_thw = torch.tensor(grids, dtype=torch.int64) if grids else None
-        if on_images is not None and resized:
-            on_images(ImageInputs(resized, grid_thw, self.image_config))
+                opened = open_image(image.data, image.mime_format, image.field, self.image_limits)
+            except RequestError:
+                _results(pending)  # an earlier image's decode error comes first
+                raise
+            size = opened.size
+            if pool is None:
+                pending.append(_PendingImage(size, self._prepare_image(opened, image.field)))
+            else:
+                decoding = threading.Event()
+                pending.append(_PendingImage(size, pool.submit(self._prepare_image, opened, image.field, decoding)))
+                # The tokenizer keeps the GIL for a whole encode: hand the GIL over until the
+                # pool thread has reached PIL's decoder (which lets it go), or it waits that long.
+                decoding.wait()
+        return pending
+
+    def _prepare_image(self, opened, field: str, decoding: threading.Event | None = None) -> _PreparedImage:
+        """Decode, to tensor, resize (a pool thread): uint8 [1, C, H, W] and its patch grid."""
+        started = time.perf_counter()
+        if decoding is not None:
+            decoding.set()
+        decoded = load_image(opened, field)
+        decoded_at = time.perf_counter()
+        pixels = image_to_tensor(decoded)  # uint8 [3, H, W]
+        tensor_at = time.perf_counter()
+        try:
+            batch = resize_for_patches(pixels, self.image_config)  # uint8 [1, C, H, W]
+        except ValueError as exc:
+            raise RequestError(field, str(exc)) from exc
+        seconds = {"decode": decoded_at - started, "to_tensor": tensor_at - decoded_at, "resize": time.perf_counter() - tensor_at}
+        return _PreparedImage(batch, patch_grid(batch, self.image_config), seconds)
+
+    def _predicted_grids(self, pending: list[_PendingImage]) -> list[list[int]] | None:
+        """The grids the opened headers promise (None when one cannot be predicted: the decode's
+        own error is then the one to report)."""
+        grids = []
+        for item in pending:
+            if isinstance(item.result, _PreparedImage):
+                grids.append(list(item.result.grid))
+                continue
+            width, height = item.header_size
+            try:
+                grids.append(list(grid_for_size(height, width, self.image_config)))
+            except ValueError:
+                return None
+        return grids
+
+    def _render_state(self, messages: list[dict], image_count: int) -> str:
+        """The chat template's text of the state, checked for the image and video tokens."""
         try:
             text = self.tokenizer.render_chat(messages, add_generation_prompt=False)
         except jinja2.TemplateError as exc:
             raise RequestError("state", f"the chat template rejected the state ({exc})") from exc
-        if text.count(self.image_token) != len(resized):
-            raise ConfigError(
-                f"chat template emitted {text.count(self.image_token)} {self.image_token} for {len(resized)} images"
-            )
+        if text.count(self.image_token) != image_count:
+            raise ConfigError(f"chat template emitted {text.count(self.image_token)} {self.image_token} for {image_count} images")
         if self.video_token in text:
             raise ConfigError(f"chat template emitted {self.video_token} without a video")
+        return text
+
+    def _tokenize_state(self, text: str, grids: list[list[int]]) -> tuple[list[int], list[int]]:
+        """(input_ids, mm_token_type_ids) of the rendered state with each image's placeholder expanded."""
         merge_length = self.image_config.merge_size**2
-        # Same expansion as Qwen3VLProcessor.__call__: each placeholder, in order, becomes
-        # t * h * w / merge^2 copies; then the whole text is tokenized once. The processor's
-        # temporary marker would turn user text "<|placeholder|>" into image tokens there, so
-        # such a state is refused rather than compiled differently.
+        # The ids of Qwen3VLProcessor.__call__: each placeholder, in order, becomes t * h * w /
+        # merge^2 copies, then the whole text is tokenized once (here: the same ids from the
+        # unexpanded text where that is exact). The processor's temporary marker would turn user
+        # text "<|placeholder|>" into image tokens there, so such a state is refused rather than
+        # compiled differently.
         placeholder = "<|placeholder|>"
-        if resized and placeholder in text:
+        if grids and placeholder in text:
             raise RequestError("state", f"text must not contain {placeholder} together with images")
-        for grid_t, grid_h, grid_w in grids:
-            count = grid_t * grid_h * grid_w // merge_length
-            text = text.replace(self.image_token, placeholder * count, 1)
-        text = text.replace(placeholder, self.image_token)
-        input_ids = self.tokenizer.encode_prompt(text)
+        counts = [grid_t * grid_h * grid_w // merge_length for grid_t, grid_h, grid_w in grids]
+        input_ids = self._expanded_after_tokenizing(text, counts) if self._image_token_stands_alone else None
+        if input_ids is None:
+            for count in counts:
+                text = text.replace(self.image_token, placeholder * count, 1)
+            text = text.replace(placeholder, self.image_token)
+            input_ids = self.tokenizer.encode_prompt(text)
         mm_token_type_ids = [
             1 if token == self.image_token_id else 2 if token == self.video_token_id else 0 for token in input_ids
         ]
-        return StateInputs(input_ids, mm_token_type_ids, resized, grid_thw, self.image_config)
+        return input_ids, mm_token_type_ids
+
+    def _expanded_after_tokenizing(self, text: str, counts: list[int]) -> list[int] | None:
+        """The ids of the expanded text, from tokenizing the text with one image token per image
+        and repeating each image token's id (a 1024-token image costs one token, not 1024).
+
+        Exact when the image token is a special added token matched on its own (no lstrip,
+        rstrip, single_word or normalisation; checked at load): the tokenizer splits such tokens
+        out before anything else, so N copies in the text are N ids and the text between is
+        tokenized alone either way. None (expand the text instead) if the ids hold another count.
+        """
+        ids = self.tokenizer.encode_prompt(text)
+        positions = [index for index, token in enumerate(ids) if token == self.image_token_id]
+        if len(positions) != len(counts):
+            return None
+        expanded, start = [], 0
+        for position, count in zip(positions, counts):
+            expanded += ids[start:position]
+            expanded += [self.image_token_id] * count
+            start = position + 1
+        expanded += ids[start:]
+        return expanded
 
     def _compile_question(self, question: _ParsedQuestion, base_length: int) -> Question:
         encode = self._encode_piece
@@ -431,6 +670,11 @@ class Compiler:
             descriptions=[c.description for c in question.candidates],
             branches=branches,
         )
+
+
+def _results(pending: list[_PendingImage]) -> list[_PreparedImage]:
+    """Wait for every started image, in order; the first failure (in image order) is raised."""
+    return [item.wait() for item in pending]
 
 
 def _only_keys(item: dict, allowed: tuple[str, ...], field: str) -> None:

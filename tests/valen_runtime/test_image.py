@@ -227,6 +227,47 @@ def test_patch_layout_is_merge_order(config):
     assert torch.equal(frames[:, :, 0], frames[:, :, 1])
 
 
+def float_first_patches(batch: torch.Tensor, config: ImageConfig) -> torch.Tensor:
+    """Patches the way the processor orders the work: normalise the whole fp32 image, then cut it."""
+    values = batch.to(torch.float32)  # [1, C, H, W]
+    if config.do_normalize:
+        scale = 1.0 / config.rescale_factor if config.do_rescale else 1.0
+        mean = torch.tensor(config.image_mean, dtype=torch.float32) * scale
+        std = torch.tensor(config.image_std, dtype=torch.float32) * scale
+        values = (values - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
+    elif config.do_rescale:
+        values = batch * config.rescale_factor
+    p, tp, m = config.patch_size, config.temporal_patch_size, config.merge_size
+    frames = values.unsqueeze(1).repeat(1, tp, 1, 1, 1)  # one frame, repeated to the temporal patch
+    _, _, channels, height, width = frames.shape
+    gh, gw = height // p, width // p
+    patches = frames.reshape(1, 1, tp, channels, gh // m, m, p, gw // m, m, p).permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+    return patches.reshape(gh * gw, channels * tp * p * p)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"do_normalize": False}, {"do_normalize": False, "do_rescale": False}, {"do_rescale": False},
+     {"image_mean": (0.48145466, 0.4578275, 0.40821073), "image_std": (0.26862954, 0.26130258, 0.27577711)}],
+    ids=["qwen", "rescale-only", "neither", "normalise-only", "clip-values"],
+)
+def test_patchify_equals_normalising_before_cutting(changes):
+    # patchify rearranges the uint8 pixels first and normalises afterwards; per-element arithmetic
+    # makes that the same bits as the processor's order, for every rescale / normalise setting.
+    from valen_runtime.image import patchify
+
+    config = dataclasses.replace(ImageConfig(), **changes)
+    gen = torch.Generator().manual_seed(7)
+    for height, width in ((32, 32), (64, 96), (160, 32)):
+        channels_last = torch.randint(0, 256, (height, width, 3), generator=gen, dtype=torch.uint8)
+        for batch in (channels_last.permute(2, 0, 1)[None], channels_last.permute(2, 0, 1).contiguous()[None]):
+            got = patchify(batch, config)
+            expected = float_first_patches(batch, config)
+            assert got.pixel_values.dtype == torch.float32 and got.pixel_values.is_contiguous()
+            assert got.grid_thw == (1, height // 16, width // 16)
+            assert torch.equal(got.pixel_values.view(torch.int32), expected.view(torch.int32))
+
+
 # ------------------------------------------------------------------ decoding limits
 
 

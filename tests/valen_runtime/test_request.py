@@ -6,8 +6,13 @@ import hashlib
 import io
 import json
 import os
+import struct
 import subprocess
 import sys
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -27,6 +32,7 @@ from valen_runtime.request import (  # noqa: E402
     parse_request_bytes,
 )
 from valen_runtime.errors import RequestError  # noqa: E402
+from valen_runtime.image import ImageLimits  # noqa: E402
 
 MODEL = "valen-preview-0923"
 NOUL_TRUE = "True / 是：满足问题中的条件。"
@@ -156,21 +162,27 @@ def test_image_state_matches_transformers(compiler, processor, case):
     assert sum(compiled.state.mm_token_type_ids) == int(grid.prod(-1).sum()) // 4
 
 
-def test_on_images_sees_the_images_before_the_state_is_tokenized(compiler, monkeypatch):
-    # The engine starts the vision tower from this hook, so it must come before tokenization and
-    # carry exactly what the compiled state ends up with.
-    events, seen = [], []
+@pytest.mark.parametrize("decode_in_thread", [True, False], ids=["threaded", "serial"])
+def test_on_images_gets_the_compiled_images_once_on_the_calling_thread(folder, monkeypatch, decode_in_thread):
+    # The engine starts the vision tower from this hook: it must run once, on the caller's thread
+    # (the CUDA stream is per thread), with exactly what the compiled state ends up with. With the
+    # decode pool the state is tokenized while the images decode, so the hook comes after the
+    # tokenizer; without it the images are ready first and the hook comes before it.
+    compiler = Compiler.from_dir(folder, decode_in_thread=decode_in_thread)
+    events, seen, threads = [], [], []
     real_encode = compiler.tokenizer.encode_prompt
     monkeypatch.setattr(compiler.tokenizer, "encode_prompt", lambda text: events.append("tokenize") or real_encode(text))
 
     def on_images(images):
         events.append("images")
         seen.append(images)
+        threads.append(threading.get_ident())
 
-    urls = [data_url(png(70, 50, seed=3)), data_url(jpeg_rotated(40, 90), "jpeg")]
+    urls = [data_url(png(70, 50, seed=3)), data_url(png(40, 90, seed=4))]
     state = {"messages": [{"role": "user", "content": [{"type": "image", "image": u} for u in urls]}]}
     compiled = compiler.compile(request(state=state), on_images)
-    assert events == ["images", "tokenize"]
+    assert events == (["tokenize", "images"] if decode_in_thread else ["images", "tokenize"])
+    assert threads == [threading.get_ident()]
     (images,) = seen
     assert torch.equal(images.grid_thw, compiled.state.image_grid_thw)
     assert torch.equal(images.pixel_values_on("cpu"), compiled.state.pixel_values)
@@ -655,3 +667,226 @@ def test_question_piece_cache_is_bounded_and_transparent(folder):
     assert len(small._piece_ids) == 3
     uncached = [compiler.tokenizer.encode(text) for text in ("Decision:", "\n")]
     assert [small._encode_piece(text) for text in ("Decision:", "\n")] == uncached
+
+
+# ------------------------------------------------------------------ images decoded beside the tokenizer
+
+
+def png_with_trailing_orientation(width, height, orientation) -> bytes:
+    """A PNG whose eXIf chunk comes after the pixel data: the header cannot tell the turned size."""
+    data = png(width, height, seed=5)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    body = exif.tobytes()
+    chunk = struct.pack(">I", len(body)) + b"eXIf" + body + struct.pack(">I", zlib.crc32(b"eXIf" + body))
+    iend = data.rindex(b"IEND") - 4
+    return data[:iend] + chunk + data[iend:]
+
+
+def mode_png(mode: str, width=53, height=41) -> bytes:
+    rng = np.random.default_rng(11)
+    if mode == "I;16":
+        image = Image.fromarray((rng.integers(0, 65536, (height, width))).astype(np.uint16))
+    elif mode == "P":
+        image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).convert("P")
+    else:
+        image = Image.fromarray(rng.integers(0, 256, (height, width, len(mode)), dtype=np.uint8), mode)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def cmyk_jpeg() -> bytes:
+    rng = np.random.default_rng(12)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (30, 44, 4), dtype=np.uint8), "CMYK").save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+DECODE_CASES = {
+    "png-exif-after-pixels-rot90": lambda: (png_with_trailing_orientation(120, 64, 6), "png"),
+    "png-exif-after-pixels-mirror": lambda: (png_with_trailing_orientation(96, 64, 2), "png"),
+    "png-palette": lambda: (mode_png("P"), "png"),
+    "png-16-bit": lambda: (mode_png("I;16"), "png"),
+    "png-la": lambda: (mode_png("LA"), "png"),
+    "png-rgba": lambda: (mode_png("RGBA"), "png"),
+    "jpeg-cmyk": lambda: (cmyk_jpeg(), "jpeg"),
+    "jpeg-exif-rot90": lambda: (jpeg_rotated(150, 90), "jpeg"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECODE_CASES))
+def test_threaded_decode_matches_transformers(folder, processor, case):
+    # The pool path predicts the grid from the header and re-tokenizes when the decoded image is
+    # turned (EXIF, which for a PNG may only come after the pixels); both paths and transformers
+    # must agree on every token and pixel.
+    data, fmt = DECODE_CASES[case]()
+    url = data_url(data, fmt)
+    messages = [{"role": "user", "content": [{"type": "image", "url": url}, {"type": "text", "text": "Which side?"}]}]
+    expected = reference_state(processor, messages)
+    state = {"messages": [{"role": "user", "content": [{"type": "image", "image": url}, {"type": "text", "text": "Which side?"}]}]}
+    for decode_in_thread in (True, False):
+        compiled = Compiler.from_dir(folder, decode_in_thread=decode_in_thread).compile(request(state=state))
+        assert_state_equal(compiled.state, expected)
+
+
+def test_a_wrong_grid_guess_is_corrected(folder, monkeypatch):
+    # The header's guess only matters through each image's token count, which an EXIF turn keeps;
+    # should a guess still be off, the state is tokenized again with the decoded grids.
+    import valen_runtime.request as request_module
+
+    url = data_url(png(96, 64, seed=9))
+    expected = compile_summary(Compiler.from_dir(folder, decode_in_thread=False).compile(request(state={"image": url})))
+    monkeypatch.setattr(request_module, "grid_for_size", lambda height, width, config: (1, 2, 2))
+    assert compile_summary(Compiler.from_dir(folder, decode_in_thread=True).compile(request(state={"image": url}))) == expected
+
+
+def test_an_image_whose_grid_cannot_be_guessed_reports_the_decode_error(folder):
+    # Limits looser than the processor's: the header passes, the resize refuses; the error names the image.
+    compiler = Compiler(Compiler.from_dir(folder).tokenizer, Compiler.from_dir(folder).image_config,
+                        image_limits=ImageLimits(max_aspect_ratio=1000))
+    with pytest.raises(RequestError) as info:
+        compiler.compile(request(state={"image": data_url(png(250, 1))}))
+    assert info.value.field == "state.image" and "aspect ratio" in str(info.value)
+
+
+def test_turned_png_changes_the_grid(compiler):
+    # Guards the case above: the trailing eXIf really turns the image (160 x 80 in the header,
+    # 80 wide and 160 high after), so the header's grid was the wrong guess there.
+    compiled = compiler.compile(request(state={"image": data_url(png_with_trailing_orientation(160, 80, 6))}))
+    ((grid_t, grid_h, grid_w),) = compiled.state.image_grid_thw.tolist()
+    assert grid_t == 1 and grid_h == 2 * grid_w
+
+
+def compile_summary(compiled: CompiledRequest) -> tuple:
+    state = compiled.state
+    pixels = state.pixel_values
+    return (
+        state.input_ids,
+        state.mm_token_type_ids,
+        None if pixels is None else hashlib.sha256(pixels.numpy().tobytes()).hexdigest(),
+        None if state.image_grid_thw is None else state.image_grid_thw.tolist(),
+        [(b.suffix_ids, b.candidate_positions, b.decision_position) for q in compiled.questions for b in q.branches],
+    )
+
+
+def test_by_default_the_pool_is_used_where_there_is_work_to_overlap(folder, monkeypatch):
+    # One image with a short text decodes on the calling thread (the hook then comes before the
+    # tokenizer, as the vision tower is best started early); several images, or one image with a
+    # long text, decode on the pool while the text is tokenized.
+    import valen_runtime.request as request_module
+
+    compiler = Compiler.from_dir(folder)
+    events = []
+    real_encode = compiler.tokenizer.encode_prompt
+    monkeypatch.setattr(compiler.tokenizer, "encode_prompt", lambda text: events.append("tokenize") or real_encode(text))
+    url = data_url(png(48, 48, seed=6))
+    cases = {
+        "one image, short text": ([url], "x" * (request_module._OVERLAP_MIN_TEXT_CHARS - 1), ["images", "tokenize"]),
+        "one image, long text": ([url], "x" * request_module._OVERLAP_MIN_TEXT_CHARS, ["tokenize", "images"]),
+        "two images": ([url, url], "x", ["tokenize", "images"]),
+    }
+    for name, (urls, text, expected) in cases.items():
+        events.clear()
+        content = [{"type": "image", "image": u} for u in urls] + [{"type": "text", "text": text}]
+        compiler.compile(request(state={"messages": [{"role": "user", "content": content}]}), lambda images: events.append("images"))
+        assert events == expected, name
+
+
+def test_concurrent_compiles_equal_serial_ones(folder):
+    # Several callers at once (valen-serve's threads) share the decode pool: every result must be
+    # what a serial compile of the same request gives, images in prompt order.
+    images = [data_url(png(40 + 8 * i, 72 - 4 * i, seed=i)) for i in range(4)] + [data_url(jpeg_rotated(64, 40), "jpeg")]
+    requests = []
+    for i in range(12):
+        picked = [images[(i + k) % len(images)] for k in range(1 + i % 4)]
+        content = [{"type": "image", "image": u} for u in picked] + [{"type": "text", "text": f"board {i}"}]
+        requests.append(request(state={"messages": [{"role": "user", "content": content}]}))
+    serial = Compiler.from_dir(folder, decode_in_thread=False)
+    expected = [compile_summary(serial.compile(r)) for r in requests]
+    threaded = Compiler.from_dir(folder)
+    with ThreadPoolExecutor(4) as callers:
+        got = list(callers.map(lambda r: compile_summary(threaded.compile(r)), requests * 2))
+    assert got == expected * 2
+
+
+def truncated_png() -> bytes:
+    return png(64, 64)[:-40]
+
+
+@pytest.mark.parametrize("decode_in_thread", [True, False], ids=["threaded", "serial"])
+def test_the_first_image_error_in_prompt_order_is_reported(folder, decode_in_thread):
+    # A decode error of an earlier image wins over a header error of a later one and over a
+    # text error found by the tokenizer step, as when everything ran one after the other.
+    compiler = Compiler.from_dir(folder, decode_in_thread=decode_in_thread)
+    bad_header = b"not an image at all"
+    content = [{"type": "image", "image": data_url(truncated_png())}, {"type": "image", "image": data_url(bad_header)}]
+    with pytest.raises(RequestError) as info:
+        compiler.compile(request(state={"messages": [{"role": "user", "content": content}]}))
+    assert info.value.field == "state.messages[0].content[0].image" and "corrupt or truncated" in str(info.value)
+    content = [{"type": "text", "text": "<|placeholder|>"}, {"type": "image", "image": data_url(truncated_png())}]
+    with pytest.raises(RequestError) as info:
+        compiler.compile(request(state={"messages": [{"role": "user", "content": content}]}))
+    assert info.value.field == "state.messages[0].content[1].image"
+
+
+def test_phase_timings_partition_the_calling_thread(compiler):
+    # The benchmark's breakdown: the calling thread's phases are consecutive laps, so they add up
+    # to at most the wall time of the call; the decode thread's are reported beside them.
+    from valen_runtime.request import PHASES
+
+    state = {"messages": [{"role": "user", "content": [{"type": "image", "image": data_url(png(96, 64))}, {"type": "text", "text": "x"}]}]}
+    timings: dict = {}
+    started = time.perf_counter()
+    compiler.compile_bytes(json.dumps(request(state=state)).encode(), lambda images: None, timings)
+    wall = time.perf_counter() - started
+    assert set(timings) <= set(PHASES) and all(v >= 0 for v in timings.values())
+    assert {"json", "validate", "image_open", "tokenize", "image_wait", "on_images", "questions", "decode", "resize"} <= set(timings)
+    calling = ("json", "validate", "state_parse", "image_open", "template", "tokenize", "image_wait", "on_images", "questions")
+    assert sum(timings.get(name, 0.0) for name in calling) <= wall
+
+
+def test_image_ids_expanded_after_tokenizing_equal_the_expanded_text(folder, monkeypatch):
+    # The fixture's image token is a plain special token, so states are tokenized with one image
+    # token per image and the ids repeated; tokenizing the fully expanded text must agree.
+    fast = Compiler.from_dir(folder)
+    slow = Compiler.from_dir(folder)
+    assert fast._image_token_stands_alone
+    slow._image_token_stands_alone = False
+    urls = [data_url(png(64, 64, seed=1)), data_url(png(300, 90, seed=2)), data_url(jpeg_rotated(40, 90), "jpeg")]
+    content = [
+        {"type": "text", "text": "a<b> "}, {"type": "image", "image": urls[0]}, {"type": "text", "text": " c "},
+        {"type": "image", "image": urls[2]}, {"type": "image", "image": urls[1]}, {"type": "text", "text": "\n"},
+    ]
+    states = [{"image": urls[1]}, {"messages": [{"role": "system", "content": "Judge."}, {"role": "user", "content": content}]}]
+    for state in states:
+        assert compile_summary(fast.compile(request(state=state))) == compile_summary(slow.compile(request(state=state)))
+    # Guard: the two compilers really took different paths (image tokens the tokenizer saw).
+    seen = {}
+
+    def counting(name, real):
+        def encode(text):
+            seen[name] = text.count("<|image_pad|>")
+            return real(text)
+
+        return encode
+
+    for name, compiler in (("fast", fast), ("slow", slow)):
+        monkeypatch.setattr(compiler.tokenizer, "encode_prompt", counting(name, compiler.tokenizer.encode_prompt))
+        compiled = compiler.compile(request(state=states[0]))
+    assert seen == {"fast": 1, "slow": sum(compiled.state.mm_token_type_ids)} and seen["slow"] > 1
+
+
+def test_image_token_with_strip_flags_is_expanded_in_the_text(folder, tmp_path):
+    # An image token that swallows neighbouring spaces (lstrip) changes the text between image
+    # tokens, so the repeat-the-id shortcut is off for such a tokenizer.
+    changed = tmp_path / "lstrip"
+    changed.mkdir()
+    for path in folder.iterdir():
+        (changed / path.name).write_bytes(path.read_bytes())
+    tokenizer_json = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    for token in tokenizer_json["added_tokens"]:
+        if token["content"] == "<|image_pad|>":
+            token["lstrip"] = True
+    (changed / "tokenizer.json").write_text(json.dumps(tokenizer_json), encoding="utf-8")
+    assert not Compiler.from_dir(changed)._image_token_stands_alone
