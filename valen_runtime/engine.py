@@ -25,7 +25,7 @@ import torch
 
 from .answers import answer_from_probabilities, batch_probabilities, response
 from .options import EngineOptions
-from .plan import Plan, plan_shared_prefix
+from .plan import Plan, plan_one_pass, plan_shared_prefix
 from .positions import rope_index
 from .qwen35 import TextCache
 from .request import CompiledRequest, Compiler, ImageInputs
@@ -110,6 +110,55 @@ class Engine:
         # model_s: the rest of the device work, until the logits are ready.
         return self.finish(compiled, logits, {"prepare_s": t1 - t0, "model_s": t2 - t1})
 
+    def run_many(self, requests: list[dict]) -> list[RunResult | Exception]:
+        """Several requests at once: each prepared alone, then those that compiled run in one sweep
+        of the layers where the engine batches (`batches`), else one after the other. Per request:
+        its RunResult, or the exception that request raised (a bad request fails alone)."""
+        t0 = time.perf_counter()
+        prepared: list[tuple[CompiledRequest, torch.Tensor | None] | Exception] = []
+        for request in requests:
+            try:
+                prepared.append(self.prepare(request))
+            except Exception as exc:  # its own answer (4xx for a RequestError); the others go on
+                prepared.append(exc)
+        t1 = time.perf_counter()
+        ready = [p for p in prepared if not isinstance(p, Exception)]
+        try:
+            logits = self.execute_many([c for c, _ in ready], [f for _, f in ready])
+        except Exception:
+            if len(ready) < 2:
+                raise
+            # A failure of the combined sweep must not fail every request: each runs alone, and
+            # one that fails again carries its own exception.
+            return [p if isinstance(p, Exception) else self._run_prepared(*p) for p in prepared]
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        out, results = [], iter(zip(ready, logits))
+        for p in prepared:
+            if isinstance(p, Exception):
+                out.append(p)
+                continue
+            (compiled, _), lg = next(results)
+            out.append(self.finish(compiled, lg, {"prepare_s": t1 - t0, "model_s": t2 - t1, "batch": len(ready)}))
+        return out
+
+    def _run_prepared(self, compiled: CompiledRequest, features: torch.Tensor | None) -> RunResult | Exception:
+        try:
+            t0 = time.perf_counter()
+            logits = self.execute(compiled, features)
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize()
+            return self.finish(compiled, logits, {"model_s": time.perf_counter() - t0, "batch": 1})
+        except Exception as exc:
+            return exc
+
+    @property
+    def batches(self) -> bool:
+        """Whether run_many sweeps several requests' rows through the layers together (the fast
+        model's one-pass layout, shared-prefix mode); otherwise it runs them one after the other."""
+        return self.mode == "shared-prefix" and self.one_pass
+
     def answer(self, request: dict) -> dict:
         return self.run(request).response
 
@@ -147,6 +196,15 @@ class Engine:
             return self.execute_plan(compiled, self.plan(compiled), features)
         return [torch.cat([self._branch_logits(compiled, br, features) for br in q.branches]) for q in compiled.questions]
 
+    @torch.no_grad()
+    def execute_many(self, compiled: list[CompiledRequest], features: list[torch.Tensor | None]) -> list[list[torch.Tensor]]:
+        """Per request, per-question logits: one combined one-pass sweep when the engine batches and
+        there are several, else each request alone. A request's logits are its own function in exact
+        arithmetic; rounding may differ with its batch-mates (GEMM shapes change)."""
+        if len(compiled) > 1 and self.batches:
+            return self.execute_plan_many(compiled, plan_one_pass(compiled, self.model.config), features)
+        return [self.execute(c, f) for c, f in zip(compiled, features)]
+
     def plan(self, compiled: CompiledRequest) -> Plan:
         return plan_shared_prefix(compiled, self.model.config, one_pass=self.one_pass)
 
@@ -167,9 +225,16 @@ class Engine:
     @torch.no_grad()
     def execute_plan(self, compiled: CompiledRequest, plan: Plan, features: torch.Tensor | None) -> list[torch.Tensor]:
         """Shared-prefix mode on a given plan: per-question logits [K] fp32."""
-        inputs = plan.upload(self.model.device)  # one host-to-device copy of every index the request needs
-        if features is not None:
-            inputs.append(features)
+        return self.execute_plan_many([compiled], plan, [features])[0]
+
+    @torch.no_grad()
+    def execute_plan_many(self, compiled: list[CompiledRequest], plan: Plan,
+                          features: list[torch.Tensor | None]) -> list[list[torch.Tensor]]:
+        """A plan over one or several requests (in plan order): per request, per-question logits [K] fp32."""
+        inputs = plan.upload(self.model.device)  # one host-to-device copy of every index the requests need
+        images = [f for f in features if f is not None]  # in request order, as the plan's image indices
+        if images:
+            inputs.append(images[0] if len(images) == 1 else torch.cat(images))
         if plan.kind == "batch":
             forward = functools.partial(self._batch_logits, plan.sizes)
         else:
@@ -178,11 +243,10 @@ class Engine:
             (logits,) = forward(*inputs)
         else:
             (logits,) = self.graphs.run((plan.kind, *plan.sizes), forward, inputs)
-        per_branch = list(logits.split(plan.candidates_per_branch))  # [K_b] per branch
-        out, k = [], 0
-        for q in compiled.questions:
-            out.append(torch.cat(per_branch[k : k + len(q.branches)]))
-            k += len(q.branches)
+        per_branch = iter(logits.split(plan.candidates_per_branch))  # [K_b] per branch of every request
+        out = []
+        for c in compiled:
+            out.append([torch.cat([next(per_branch) for _ in q.branches]) for q in c.questions])
         return out
 
     # The device functions of the two layouts and their pieces (capturable: no host work).
@@ -198,13 +262,13 @@ class Engine:
             hidden = self.text(rows, rows_pos, cache=self._prefix_cache(embeds[:, :cut], prefix_pos).expand(N))
         return self._head_logits(hidden.reshape(N * L, -1), head_index, C, N)
 
-    def _one_pass_logits(self, sizes, state_ids, suffix_ids, source, rows_pos, image_index, head_index, seq_ids, offsets,
-                         conv_taps, cu_seqlens, chunk_indices, prefix_rows, features=None):
-        """The one-pass layout: [prefix | packed continuations] in one row, one sweep -> logits [C] fp32."""
+    def _one_pass_logits(self, sizes, state_ids, suffix_ids, source, rows_pos, image_index, head_index, *layout_and_features):
+        """The one-pass layout: [prefixes | packed continuations] in one row, one sweep -> logits [C] fp32."""
         from .fast.model import OnePass
 
-        P, cut, T, C, _, N, _ = sizes
-        layout = OnePass(seq_ids, offsets, conv_taps, cu_seqlens, chunk_indices, prefix_rows)
+        C, N = sizes[3], sizes[5]
+        n = len(OnePass._fields)
+        layout, features = OnePass(*layout_and_features[:n]), (layout_and_features[n] if len(layout_and_features) > n else None)
         embeds = self._state_embeds(state_ids, image_index, features)  # [1, P, H]
         rows = torch.cat([embeds[0], self.text.embed(suffix_ids)])[source][None]  # [1, cut + T, H]
         hidden = self.text.one_pass(rows, rows_pos, layout)

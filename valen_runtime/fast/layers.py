@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..gated_delta import l2norm
 from ..qwen35 import DecoderLayer, apply_rotary, decay_and_beta, rms_norm, rms_norm_gated
-from .kernels import gated_delta_rule_op, gated_delta_rule_varlen_op, sdpa_attention
+from .kernels import gated_delta_rule_op, gated_delta_rule_varlen_final_op, gated_delta_rule_varlen_op, sdpa_attention
 from .projections import Projection, fuse, project
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +122,8 @@ def _conv_taps_silu(taps: list[torch.Tensor], weight: torch.Tensor, dtype: torch
 
 class LayerFns(NamedTuple):
     gdn: Callable  # (x, conv_prev, state_prev, w) -> (x, conv tail, state)
-    gdn_one_pass: Callable  # (x, conv_zero, state_zero, taps, prefix_rows, cu_seqlens, chunk_indices, w) -> x
+    gdn_one_pass: Callable  # (x, conv_zero, state_zero, taps, prefix_rows, prefix_cu_seqlens, prefix_chunk_indices,
+    #                          cu_seqlens, chunk_indices, initial_state_index, w) -> x
     attention: Callable  # (x, cos, sin, mask, k_prev, v_prev, w) -> (x, keys, values)
 
 
@@ -161,18 +162,25 @@ def make_layer_fns(cfg, delta_impl: str) -> LayerFns:
             lambda q, k, v, g, beta: gated_delta_rule_op(q, k, v, g, beta, state_prev, delta_impl),
         )
 
-    def gdn_layer_one_pass(x, conv_zero, state_zero, taps, prefix_rows, cu_seqlens, chunk_indices, w: GdnWeights):
-        """One pass over [prefix (P rows) | packed continuations]: x [1, P + T, H]; the prefix starts
-        from zero history, the continuations from the prefix's final state, computed in this very
-        layer (two delta-rule calls); taps index [zeros (K-1) | row]. -> x."""
+    def gdn_layer_one_pass(x, conv_zero, state_zero, taps, prefix_rows, prefix_cu_seqlens, prefix_chunk_indices, cu_seqlens,
+                           chunk_indices, initial_state_index, w: GdnWeights):
+        """One pass over [prefixes (P rows) | packed continuations]: x [1, P + T, H]. The prefixes
+        run from zero history, each continuation from its own prefix's final state (or zero
+        without one), computed in this very layer (two varlen delta-rule calls); taps index
+        [zeros (K-1) | row]; initial_state_index [n] picks from [zero state | prefix final states]. -> x."""
         P = prefix_rows.shape[0]
 
         def rule(q, k, v, g, beta):
-            out_p, state = gated_delta_rule_op(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], state_zero, delta_impl)
-            initial = state.expand(cu_seqlens.shape[0] - 1, *state.shape[1:]).contiguous()  # [n, Hv, Dk, Dv]
+            states = state_zero  # [1, Hv, Dk, Dv]
+            if P > 0:
+                zeros = state_zero.expand(prefix_cu_seqlens.shape[0] - 1, *state_zero.shape[1:]).contiguous()
+                out_p, finals = gated_delta_rule_varlen_final_op(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], zeros,
+                                                                 prefix_cu_seqlens, prefix_chunk_indices, delta_impl)
+                states = torch.cat([state_zero, finals])  # [1 + m, Hv, Dk, Dv]
+            initial = states.index_select(0, initial_state_index)  # [n, Hv, Dk, Dv]
             out_c = gated_delta_rule_varlen_op(q[:, P:], k[:, P:], v[:, P:], g[:, P:], beta[:, P:], initial, cu_seqlens,
                                                chunk_indices, delta_impl)
-            return torch.cat([out_p, out_c], dim=1), None
+            return (torch.cat([out_p, out_c], dim=1) if P > 0 else out_c), None
 
         out, _, _ = gdn_body(x, w, lambda mixed: (causal_conv_silu_taps(mixed, conv_zero, w.conv, taps), None), rule)
         return out
