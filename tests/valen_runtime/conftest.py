@@ -36,3 +36,12 @@ def long_image_request() -> dict:
     text = " ".join(["the order was charged twice and the customer asked for a refund"] * 8)
     state = {"messages": [{"role": "user", "content": [{"type": "image", "image": png_data_url(96, 64)}, {"type": "text", "text": text}]}]}
     return {"model": "valen-preview-0923", "state": state, "questions": QUESTIONS}
+
+
+@pytest.fixture(scope="session")
+def batch_requests(short_request, long_image_request) -> list[dict]:
+    """A mix for batched runs: an image with a long text (a prefix), a short text (none), a long
+    text (two 64-token chunks of prefix), an image alone with one question (one branch)."""
+    long_text = " ".join(["a second and much longer account of the same order and of its two charges"] * 10)
+    image_only = {"model": "valen-preview-0923", "state": {"image": png_data_url(64, 48)}, "questions": {"q": QUESTIONS["q"]}}
+    return [long_image_request, short_request, dict(short_request, state=long_text), image_only]

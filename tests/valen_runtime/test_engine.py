@@ -341,3 +341,85 @@ def test_run_answers_match_an_independent_computation(tiny_export, lora, dtype):
         for field in ("choice", "score", "confidence"):
             if field in expected:
                 assert answer[field] == pytest.approx(expected[field], abs=1e-15), (question.qid, field)
+
+
+# ---- several requests in one sweep (run_many)
+
+
+def truth_relative_bound(probabilities_of, engine_truth, engine_reference, requests, device: str) -> float:
+    """The parity gate's truth-relative bound a * E + b (manifests/tolerances.json), E the bf16
+    reference-shaped (per-branch) engine's largest probability error against fp32 truth on `requests`."""
+    from parity.tolerances import load, select
+
+    gate = select(load(), "separate", "bf16", device, "shared-prefix")
+    E = max(abs(r - t) for req in requests
+            for rq, tq in zip(probabilities_of(engine_reference.run(req)), probabilities_of(engine_truth.run(req)))
+            for r, t in zip(rq, tq))
+    return gate["a"] * E + gate["b"]
+
+
+def probabilities_of(result) -> list[list[float]]:
+    from parity.answers import probabilities
+
+    return [probabilities(lg.float().cpu()) for lg in result.logits]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_batched_requests_answer_as_each_alone_cpu(tiny_export, batch_requests, dtype, roundoff_bound):
+    """run_many sweeps four different requests (image + long text, short text, long text, image
+    alone) through the layers together; each one's logits are its own function, so they match
+    the request run alone up to rounding: fp32 within the per-branch engine's own round-off at that
+    request (engine_fp32_bound), bf16 (GEMM shapes change with the batch) within the parity gate's
+    truth-relative bound of per-branch fp32, like the request alone."""
+    export = tiny_export["separate"]
+    fast = Engine.load(export, EngineOptions(device="cpu", dtype=dtype, mode="shared-prefix", kernels="fast"))
+    assert fast.batches
+    batched = fast.run_many(batch_requests)
+    assert [r.timings["batch"] for r in batched] == [len(batch_requests)] * len(batch_requests)
+    alone = [fast.run(r) for r in batch_requests]
+    for got, want in zip(batched, alone):
+        assert got.response["usage"] == want.response["usage"] and list(got.response["answers"]) == list(want.response["answers"])
+    if dtype == "fp32":
+        per_branch = Engine.load(export, EngineOptions(device="cpu", dtype="fp32", mode="per-branch"))
+        for request, got, want in zip(batch_requests, batched, alone):
+            assert max_diff(got.logits, want.logits) <= engine_fp32_bound(roundoff_bound, per_branch, request)
+        return
+    truth = Engine.load(export, EngineOptions(device="cpu", dtype="fp32", mode="per-branch"))
+    reference = Engine.load(export, EngineOptions(device="cpu", dtype="bf16", mode="per-branch"))
+    bound = truth_relative_bound(probabilities_of, truth, reference, batch_requests, "cpu")
+    for request, got in zip(batch_requests, batched):
+        t = probabilities_of(truth.run(request))
+        worst = max(abs(g - w) for gq, tq in zip(probabilities_of(got), t) for g, w in zip(gq, tq))
+        assert worst <= bound, (worst, bound)
+
+
+def test_run_many_of_one_request_is_run(tiny_export, long_image_request, short_request):
+    """m = 1 is the single-request path: bitwise the same logits, whatever the layout."""
+    fast = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="bf16", mode="shared-prefix", kernels="fast"))
+    for request in (long_image_request, short_request):
+        (got,) = fast.run_many([request])
+        want = fast.run(request)
+        assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits)) and got.response == want.response
+
+
+def test_a_bad_request_fails_alone_in_a_batch(tiny_export, batch_requests):
+    """A request that does not compile comes back as its own RequestError; its batch-mates are
+    answered as a batch without it."""
+    from valen_runtime.errors import RequestError
+
+    fast = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast"))
+    bad = dict(batch_requests[1], state="  ")
+    results = fast.run_many([batch_requests[0], bad, batch_requests[2]])
+    assert isinstance(results[1], RequestError) and "state" in str(results[1])
+    assert [r.timings["batch"] for r in (results[0], results[2])] == [2, 2]
+    for request, got in zip((batch_requests[0], batch_requests[2]), (results[0], results[2])):
+        assert got.response["usage"] == fast.run(request).response["usage"]
+
+
+def test_the_reference_engines_run_a_batch_one_by_one(tiny_export, batch_requests):
+    """Where the engine does not batch (per-branch, or the reference modules), run_many is run per request: bitwise."""
+    for mode, kernels in (("per-branch", "torch"), ("shared-prefix", "torch")):
+        engine = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode=mode, kernels=kernels))
+        assert not engine.batches
+        for request, got in zip(batch_requests[:2], engine.run_many(batch_requests[:2])):
+            assert all(torch.equal(a, b) for a, b in zip(got.logits, engine.run(request).logits))
