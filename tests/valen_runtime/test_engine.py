@@ -346,26 +346,8 @@ def test_run_answers_match_an_independent_computation(tiny_export, lora, dtype):
 # ---- several requests in one sweep (run_many)
 
 
-def truth_relative_bound(probabilities_of, engine_truth, engine_reference, requests, device: str) -> float:
-    """The parity gate's truth-relative bound a * E + b (manifests/tolerances.json), E the bf16
-    reference-shaped (per-branch) engine's largest probability error against fp32 truth on `requests`."""
-    from parity.tolerances import load, select
-
-    gate = select(load(), "separate", "bf16", device, "shared-prefix")
-    E = max(abs(r - t) for req in requests
-            for rq, tq in zip(probabilities_of(engine_reference.run(req)), probabilities_of(engine_truth.run(req)))
-            for r, t in zip(rq, tq))
-    return gate["a"] * E + gate["b"]
-
-
-def probabilities_of(result) -> list[list[float]]:
-    from parity.answers import probabilities
-
-    return [probabilities(lg.float().cpu()) for lg in result.logits]
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_batched_requests_answer_as_each_alone_cpu(tiny_export, batch_requests, dtype, roundoff_bound):
+def test_batched_requests_answer_as_each_alone_cpu(tiny_export, batch_requests, dtype, roundoff_bound, assert_truth_relative):
     """run_many sweeps four different requests (image + long text, short text, long text, image
     alone) through the layers together; each one's logits are its own function, so they match
     the request run alone up to rounding: fp32 within the per-branch engine's own round-off at that
@@ -386,11 +368,7 @@ def test_batched_requests_answer_as_each_alone_cpu(tiny_export, batch_requests, 
         return
     truth = Engine.load(export, EngineOptions(device="cpu", dtype="fp32", mode="per-branch"))
     reference = Engine.load(export, EngineOptions(device="cpu", dtype="bf16", mode="per-branch"))
-    bound = truth_relative_bound(probabilities_of, truth, reference, batch_requests, "cpu")
-    for request, got in zip(batch_requests, batched):
-        t = probabilities_of(truth.run(request))
-        worst = max(abs(g - w) for gq, tq in zip(probabilities_of(got), t) for g, w in zip(gq, tq))
-        assert worst <= bound, (worst, bound)
+    assert_truth_relative([r.response for r in batched], truth, reference, batch_requests, "cpu")
 
 
 def test_run_many_of_one_request_is_run(tiny_export, long_image_request, short_request):
