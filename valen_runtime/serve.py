@@ -359,6 +359,7 @@ class WorkerApp:
         except asyncio.TimeoutError:
             raise _Answer(503, f"not answered within {self.settings.request_timeout:g} s (--request-timeout); the worker is overloaded") from None
         except RequestError as exc:
+            record["batch"] = job.batch  # it failed alone; its batch-mates went on
             raise _Answer(http_status(exc), str(exc)) from None
         except Exception as exc:
             record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]

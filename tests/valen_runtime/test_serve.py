@@ -557,6 +557,56 @@ def test_internal_failure_is_500_and_a_late_answer_is_503(tiny_export, tmp_path,
         assert server.stop() == 0
 
 
+# ---------------------------------------------------------------- batching (--max-batch)
+
+
+@pytest.fixture(scope="module")
+def batching_worker(tiny_export, tmp_path_factory):
+    """The fast path's shared-prefix mode on the CPU, where the executor sweeps waiting requests together."""
+    server = Worker(tiny_export["separate"], tmp_path_factory.mktemp("serve-batch"), "--mode", "shared-prefix", "--kernels", "fast",
+                    "--max-batch", "8", "--request-timeout", "120")
+    yield server
+    assert server.stop() == 0
+
+
+def test_waiting_requests_run_in_one_sweep_and_a_bad_one_fails_alone(batching_worker, tiny_export, batch_requests, assert_truth_relative):
+    """While a long request runs, five arrive: four different good ones and one whose image does not
+    decode (it passes the wire checks; the engine's compile refuses it). They run as one batch: the
+    bad one gets its own 422, the others 200 with answers within the parity gate's truth-relative
+    bound (batch-mates change rounding only, docs/runtime.md)."""
+    from valen_runtime.engine import Engine
+    from valen_runtime.options import EngineOptions
+
+    port = batching_worker.port
+    ready = batching_worker.wait_for(lambda ln: ln.get("event") == "ready")
+    assert ready["max_batch"] == 8 and ready["layout"] == "one-pass where a prefix is shared"
+    # The longest state and eight long questions: about 8,000 rows in one sweep (on 2 CPU cores about a second).
+    heavy = text_request(HEAVY_STATE, {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true? " + "Weigh every line of the account. " * 60}
+                                       for i in range(8)})
+    bad = {"model": MODEL, "state": {"image": "data:image/png;base64,iVBORw0KGgoAAAAA"}, "questions": MIXED}
+    mates = [*batch_requests, bad]
+    with concurrent.futures.ThreadPoolExecutor(len(mates) + 1) as pool:
+        first = pool.submit(post, port, heavy, {"X-Request-Id": "batch-heavy"})
+        time.sleep(0.2)  # parsed and running by now, so the next ones queue behind it and run together
+        futures = [pool.submit(post, port, r, {"X-Request-Id": f"batch-{i}"}) for i, r in enumerate(mates)]
+        answers = [f.result() for f in futures]
+        assert first.result()[0] == 200
+    assert answers[-1][0] == 422 and answers[-1][1]["detail"].startswith("state.image:"), answers[-1]
+    assert all(status == 200 for status, _, _ in answers[:-1]), [a[:2] for a in answers]
+    lines = [batching_worker.wait_for(lambda ln, i=i: ln.get("id") == f"batch-{i}") for i in range(len(mates))]
+    assert batching_worker.wait_for(lambda ln: ln.get("id") == "batch-heavy")["batch"] == 1
+    assert [ln["batch"] for ln in lines] == [len(mates)] * len(mates), lines  # one sweep, the bad one included
+    truth = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="per-branch"))
+    reference = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="bf16", mode="per-branch"))
+    assert_truth_relative([body for _, body, _ in answers[:-1]], truth, reference, batch_requests, "cpu")
+
+
+def test_max_batch_must_be_at_least_1(tiny_export):
+    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--max-batch", "0", "--device", "cpu"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == "error: --max-batch must be an integer >= 1, got 0", result.stderr
+
+
 # ---------------------------------------------------------------- warmup
 
 
