@@ -222,6 +222,22 @@ def test_compiled_one_pass_cpu(tiny_export, long_image_request, roundoff_bound):
     assert max_diff(reference.run(long_image_request).logits, compiled.run(long_image_request).logits) <= bound
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
+def test_compiled_batches_cpu(tiny_export, batch_requests, roundoff_bound):
+    """Combined sweeps through torch.compile (inductor C++), fp32, in the compositions whose compiled
+    variants differ (a mix; only requests without a prefix; several prefixes), each request against
+    the reference modules' engine run alone: fp32 round-off only."""
+    options = dict(device="cpu", dtype="fp32", mode="shared-prefix")
+    reference = Engine.load(tiny_export["separate"], EngineOptions(**options))
+    compiled = Engine.load(tiny_export["separate"], EngineOptions(**options, kernels="fast", compile=True))
+    image, short, long_text, image_only = batch_requests
+    for group in (batch_requests, [short, dict(short, state="Two charges, one order.")], [image, long_text], [long_text, image_only, image]):
+        for request, got in zip(group, compiled.run_many(group)):
+            bound = engine_fp32_bound(roundoff_bound, reference, request)
+            assert got.timings["batch"] == len(group) and max_diff(reference.run(request).logits, got.logits) <= bound
+
+
 gpu = pytest.mark.gpu
 
 
@@ -266,6 +282,29 @@ def test_graph_replay_is_bitwise_equal_to_direct_execution(tiny_export, short_re
     graphed.run(short_request)
     graphed.run(long_image_request)
     assert len(graphed.graphs) == captured  # the same shapes replay, nothing new is captured
+
+
+@gpu
+def test_batched_one_pass_on_cuda_is_as_accurate_as_each_alone(tiny_export, batch_requests, assert_truth_relative):
+    """The CUDA default (bf16, compiled, CUDA graphs, FLA's varlen rule) sweeping four different
+    requests together: every answer within the parity gate's truth-relative bound of per-branch
+    fp32, as each request run alone is; replaying the combined graph is bitwise the captured run."""
+    from valen_runtime.fast.kernels import fla_available
+
+    if not fla_available():
+        pytest.skip("flash-linear-attention not importable: CUDA runs the batch layout, which does not batch requests")
+    export = tiny_export["separate"]
+    fast = Engine.load(export, EngineOptions(device="cuda", dtype="bf16"))
+    assert fast.batches and fast.graphs is not None and fast.fast.compiled and fast.kernels["gated_delta"].startswith("fla")
+    runs = [fast.run_many(batch_requests) for _ in range(3)]  # capture on the first, replays after
+    assert all(r.timings["batch"] == len(batch_requests) for r in runs[-1])
+    for a, b in zip(runs[1], runs[2]):
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    alone = [fast.run(r) for r in batch_requests]
+    truth = Engine.load(export, EngineOptions(device="cuda", dtype="fp32", mode="per-branch"))
+    reference = Engine.load(export, EngineOptions(device="cuda", dtype="bf16", mode="per-branch"))
+    assert_truth_relative([r.response for r in runs[-1]], truth, reference, batch_requests, "cuda")
+    assert_truth_relative([r.response for r in alone], truth, reference, batch_requests, "cuda")
 
 
 @pytest.mark.parametrize("device, phrase", [
