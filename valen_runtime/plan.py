@@ -212,10 +212,19 @@ def packed_indices(groups: list[tuple[int, list[int]]], K: int) -> list[torch.Te
             n += 1
     cont_lengths = [length for _, lengths in groups for length in lengths]
     prefix_lengths = [cut for cut, _ in groups if cut]
+    owners = torch.cat(owners)
+    # Attention per request: its rows in order (prefix, then continuations), padded with -1 to the
+    # longest request's count L; slots: where each row lands in the flattened [m, L].
+    per_group = [torch.nonzero(owners == g).view(-1) for g in range(len(groups))]
+    L = max(len(rows) for rows in per_group)
+    attention_rows = torch.stack([torch.cat([rows, torch.full((L - len(rows),), -1)]) for rows in per_group])  # [m, L]
+    slots = torch.empty(row, dtype=torch.int64)
+    for g, rows in enumerate(per_group):
+        slots[rows] = g * L + torch.arange(len(rows))
     return [
         torch.cat(seq_ids), torch.cat(offsets), torch.cat(taps, dim=1), _cu_seqlens(cont_lengths), _chunk_indices(cont_lengths),
-        torch.arange(total_cut), torch.cat(owners), _cu_seqlens(prefix_lengths), _chunk_indices(prefix_lengths),
-        torch.tensor(initial_state_index, dtype=torch.int64),
+        torch.arange(total_cut), owners, _cu_seqlens(prefix_lengths), _chunk_indices(prefix_lengths),
+        torch.tensor(initial_state_index, dtype=torch.int64), attention_rows, slots,
     ]
 
 

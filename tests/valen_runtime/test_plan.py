@@ -82,8 +82,9 @@ def test_one_pass_layout_rows(setup, long_image_request):
     assert chunk_indices.tolist() == [[i, c] for i, n in enumerate(seq_lengths) for c in range(-(-n // CHUNK))]
     assert offsets[cut:].tolist() == [o for n in seq_lengths for o in range(n)]
     # One request: every row its own, one prefix, every continuation from that prefix's state.
-    owners, prefix_cu, prefix_chunks, initial = per_request
+    owners, prefix_cu, prefix_chunks, initial, attention_rows, slots = per_request
     assert (owners == 0).all() and prefix_cu.tolist() == [0, cut] and initial.tolist() == [1] * len(seq_lengths)
+    assert attention_rows.tolist() == [list(range(cut + T))] and slots.tolist() == list(range(cut + T))  # attention over the whole row
     assert prefix_chunks.tolist() == [[0, c] for c in range(cut // CHUNK)]
 
 
@@ -118,7 +119,7 @@ def test_packed_indices_for_several_requests():
     the prefixes' and continuations' boundaries and chunks, each continuation's initial state."""
     K = 4
     groups = [(64, [5, 70]), (0, [3, 1]), (128, [2])]
-    seq_ids, offsets, taps, cu, chunks, prefix_rows, owners, prefix_cu, prefix_chunks, initial = packed_indices(groups, K)
+    seq_ids, offsets, taps, cu, chunks, prefix_rows, owners, prefix_cu, prefix_chunks, initial, attention_rows, slots = packed_indices(groups, K)
     R = 64 + 128 + 5 + 70 + 3 + 1 + 2
     assert taps.shape == (K, R) and len(prefix_rows) == 192
     assert seq_ids.tolist() == [-1] * 64 + [-3] * 128 + [0] * 5 + [1] * 70 + [2] * 3 + [3] + [4] * 2
@@ -128,6 +129,10 @@ def test_packed_indices_for_several_requests():
     assert chunks.tolist() == [[0, 0], [1, 0], [1, 1], [2, 0], [3, 0], [4, 0]]
     assert prefix_chunks.tolist() == [[0, 0], [1, 0], [1, 1]]
     assert initial.tolist() == [1, 1, 0, 0, 2]  # prefix 1 (request 0), zero state (request 1), prefix 2 (request 2)
+    # Attention per request: its prefix rows, then its continuations' rows, padded with -1 to the longest (139 rows).
+    own = [list(range(0, 64)) + list(range(192, 267)), list(range(267, 271)), list(range(64, 192)) + list(range(271, 273))]
+    assert attention_rows.tolist() == [rows + [-1] * (139 - len(rows)) for rows in own]
+    assert all(slots[r].item() == g * 139 + i for g, rows in enumerate(own) for i, r in enumerate(rows)) and len(slots) == R
     for r, col in enumerate(expected_conv_taps(groups, K)):
         for j, want in enumerate(col):
             got = taps[j, r].item()

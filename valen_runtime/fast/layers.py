@@ -125,6 +125,7 @@ class LayerFns(NamedTuple):
     gdn_one_pass: Callable  # (x, conv_zero, state_zero, taps, prefix_rows, prefix_cu_seqlens, prefix_chunk_indices,
     #                          cu_seqlens, chunk_indices, initial_state_index, w) -> x
     attention: Callable  # (x, cos, sin, mask, k_prev, v_prev, w) -> (x, keys, values)
+    attention_one_pass: Callable  # (x, cos, sin, mask, rows, slots, w) -> x
 
 
 def make_layer_fns(cfg, delta_impl: str) -> LayerFns:
@@ -185,8 +186,9 @@ def make_layer_fns(cfg, delta_impl: str) -> LayerFns:
         out, _, _ = gdn_body(x, w, lambda mixed: (causal_conv_silu_taps(mixed, conv_zero, w.conv, taps), None), rule)
         return out
 
-    def attention_layer(x, cos, sin, mask, k_prev, v_prev, w: AttentionWeights):
-        """x [B, T, H], cos / sin [B, T, R], k_prev / v_prev [B, Hk, S-T, D] or None -> (x, keys, values)."""
+    def attention_body(x, cos, sin, w: AttentionWeights, attend: Callable):
+        """The attention layer around its sequence-mixing step attend(q [B, Hq, T, D], k, v [B, Hk, T, D])
+        -> (out [B, T, Hq*D], keys, values), which differs between cached, batched and packed rows."""
         B, T, _ = x.shape
         h = rms_norm(x, w.input_norm, eps)
         q_out, k_out, v_out = project(h, w.qkv).split(qkv_splits, dim=-1)
@@ -195,14 +197,41 @@ def make_layer_fns(cfg, delta_impl: str) -> LayerFns:
         k = rms_norm(k_out.reshape(B, T, -1, D), w.k_norm, eps).transpose(1, 2)  # [B, Hk, T, D]
         v = v_out.reshape(B, T, -1, D).transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
-        if k_prev is not None:
-            k, v = torch.cat([k_prev, k], dim=2), torch.cat([v_prev, v], dim=2)  # [B, Hk, S, D]
-        out = sdpa_attention(q, k, v, mask, scaling).reshape(B, T, -1)  # [B, T, Hq*D]
+        out, k, v = attend(q, k, v)
         out = out * torch.sigmoid(gate.reshape(B, T, -1))
         x = x + project(out, w.o_proj)
         return mlp_residual(x, eps, w.mlp), k, v
 
-    return LayerFns(gdn_layer, gdn_layer_one_pass, attention_layer)
+    def attention_layer(x, cos, sin, mask, k_prev, v_prev, w: AttentionWeights):
+        """x [B, T, H], cos / sin [B, T, R], k_prev / v_prev [B, Hk, S-T, D] or None -> (x, keys, values)."""
+        B, T, _ = x.shape
+
+        def attend(q, k, v):
+            if k_prev is not None:
+                k, v = torch.cat([k_prev, k], dim=2), torch.cat([v_prev, v], dim=2)  # [B, Hk, S, D]
+            return sdpa_attention(q, k, v, mask, scaling).reshape(B, T, -1), k, v  # [B, T, Hq*D]
+
+        return attention_body(x, cos, sin, w, attend)
+
+    def attention_layer_one_pass(x, cos, sin, mask, rows, slots, w: AttentionWeights):
+        """Packed rows of m requests: x [1, R, H]; rows [m, L] (each request's rows, -1 pads), slots
+        [R] (each row's place in the flattened [m, L]), mask [m, 1, L, L]. With m > 1 attention runs
+        per request on its own L rows (sum of L^2 work, not R^2); m = 1 is the plain packed row. -> x."""
+        R = x.shape[1]
+
+        def attend(q, k, v):
+            m, L = rows.shape
+            if m == 1:
+                return sdpa_attention(q, k, v, mask, scaling).reshape(1, R, -1), k, v
+            flat = rows.clamp(min=0).reshape(-1)  # pads read row 0; the mask hides them
+            per_request = [t[0][:, flat].unflatten(1, (m, L)).transpose(0, 1) for t in (q, k, v)]  # [m, H, L, D]
+            out = sdpa_attention(*per_request, mask, scaling).reshape(m * L, -1)  # [m * L, Hq*D]
+            return out[slots][None], k, v  # [1, R, Hq*D]
+
+        out, _, _ = attention_body(x, cos, sin, w, attend)
+        return out
+
+    return LayerFns(gdn_layer, gdn_layer_one_pass, attention_layer, attention_layer_one_pass)
 
 
 def compile_layer_fns(fns: LayerFns) -> LayerFns:
