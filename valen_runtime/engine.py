@@ -44,6 +44,21 @@ class RunResult:
     timings: dict = field(default_factory=dict)
 
 
+@dataclass
+class Batch:
+    """Requests between `Engine.prepare_many`, `launch` and `collect`."""
+
+    prepared: list  # per request: (compiled, vision features or None), or the exception it raised
+    plan: Plan | Exception | None  # the combined one-pass plan; None: each request runs alone
+    timings: dict
+    logits: list | None = None  # per ready request, per question [K] fp32 on the device, once launched
+    error: Exception | None = None  # what the launch raised
+
+    @property
+    def ready(self) -> list[tuple[CompiledRequest, torch.Tensor | None]]:
+        return [p for p in self.prepared if not isinstance(p, Exception)]
+
+
 class Engine:
     def __init__(self, model: LoadedModel, compiler: Compiler, options: EngineOptions, temperature: float = 1.0,
                  fast: FastModel | None = None):
@@ -113,34 +128,70 @@ class Engine:
     def run_many(self, requests: list[dict]) -> list[RunResult | Exception]:
         """Several requests at once: each prepared alone, then those that compiled run in one sweep
         of the layers where the engine batches (`batches`), else one after the other. Per request:
-        its RunResult, or the exception that request raised (a bad request fails alone)."""
+        its RunResult, or the exception that request raised (a bad request fails alone).
+        `prepare_many` -> `launch` -> `collect`, which a server can overlap (serve.py)."""
+        return self.collect(self.launch(self.prepare_many(requests)))
+
+    def prepare_many(self, requests: list[dict]) -> "Batch":
+        """The host work of run_many: every request compiled (its vision tower queued), a request
+        that fails keeping its exception, and the combined plan where the engine batches."""
         t0 = time.perf_counter()
         prepared: list[tuple[CompiledRequest, torch.Tensor | None] | Exception] = []
         for request in requests:
             try:
-                prepared.append(self.prepare(request))
+                compiled, features = self.prepare(request)
             except Exception as exc:  # its own answer (4xx for a RequestError); the others go on
                 prepared.append(exc)
-        t1 = time.perf_counter()
+                continue
+            if features is not None and self.graphs is not None:
+                # A graphed tower answers in its graph's own buffer, which the next image of the same
+                # grid overwrites: each request keeps a copy (queued in order, so it is this one's).
+                features = features.clone()
+            prepared.append((compiled, features))
         ready = [p for p in prepared if not isinstance(p, Exception)]
+        plan = None
+        if len(ready) > 1 and self.batches:
+            try:
+                plan = plan_one_pass([c for c, _ in ready], self.model.config)
+            except Exception as exc:  # not a request's fault: every one runs alone in launch
+                plan = exc
+        return Batch(prepared, plan, {"prepare_s": time.perf_counter() - t0})
+
+    @torch.no_grad()
+    def launch(self, batch: "Batch") -> "Batch":
+        """Queue the device work of a prepared batch (not awaited on CUDA; `collect` waits)."""
+        t0 = time.perf_counter()
+        ready = batch.ready
         try:
-            logits = self.execute_many([c for c, _ in ready], [f for _, f in ready])
-        except Exception:
-            if len(ready) < 2:
-                raise
+            if isinstance(batch.plan, Plan):
+                batch.logits = self.execute_plan_many([c for c, _ in ready], batch.plan, [f for _, f in ready])
+            elif batch.plan is None:
+                batch.logits = [self.execute(c, f) for c, f in ready]
+            else:
+                raise batch.plan
+        except Exception as exc:
+            batch.error = exc
+        batch.timings["launch_s"] = time.perf_counter() - t0
+        return batch
+
+    def collect(self, batch: "Batch") -> list[RunResult | Exception]:
+        """Wait for a launched batch and finish each request: per request its RunResult or exception."""
+        t0 = time.perf_counter()
+        if batch.error is not None:
+            if len(batch.ready) < 2:
+                return [p if isinstance(p, Exception) else batch.error for p in batch.prepared]
             # A failure of the combined sweep must not fail every request: each runs alone, and
             # one that fails again carries its own exception.
-            return [p if isinstance(p, Exception) else self._run_prepared(*p) for p in prepared]
+            return [p if isinstance(p, Exception) else self._run_prepared(*p) for p in batch.prepared]
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        out, results = [], iter(zip(ready, logits))
-        for p in prepared:
-            if isinstance(p, Exception):
-                out.append(p)
-                continue
-            (compiled, _), lg = next(results)
-            out.append(self.finish(compiled, lg, {"prepare_s": t1 - t0, "model_s": t2 - t1, "batch": len(ready)}))
+        # prepare_s: host work of the whole batch (parsing, decoding, tokenizing, the plan);
+        # model_s: queuing its device work and waiting for it; batch: requests in the sweep.
+        timings = {"prepare_s": batch.timings["prepare_s"], "model_s": batch.timings["launch_s"] + time.perf_counter() - t0,
+                   "batch": len(batch.ready) if isinstance(batch.plan, Plan) else 1}
+        out, logits = [], iter(batch.logits)
+        for p in batch.prepared:
+            out.append(p if isinstance(p, Exception) else self.finish(p[0], next(logits), dict(timings)))
         return out
 
     def _run_prepared(self, compiled: CompiledRequest, features: torch.Tensor | None) -> RunResult | Exception:
@@ -195,15 +246,6 @@ class Engine:
         if self.mode == "shared-prefix":
             return self.execute_plan(compiled, self.plan(compiled), features)
         return [torch.cat([self._branch_logits(compiled, br, features) for br in q.branches]) for q in compiled.questions]
-
-    @torch.no_grad()
-    def execute_many(self, compiled: list[CompiledRequest], features: list[torch.Tensor | None]) -> list[list[torch.Tensor]]:
-        """Per request, per-question logits: one combined one-pass sweep when the engine batches and
-        there are several, else each request alone. A request's logits are its own function in exact
-        arithmetic; rounding may differ with its batch-mates (GEMM shapes change)."""
-        if len(compiled) > 1 and self.batches:
-            return self.execute_plan_many(compiled, plan_one_pass(compiled, self.model.config), features)
-        return [self.execute(c, f) for c, f in zip(compiled, features)]
 
     def plan(self, compiled: CompiledRequest) -> Plan:
         return plan_shared_prefix(compiled, self.model.config, one_pass=self.one_pass)

@@ -147,8 +147,9 @@ def warmup_batches(requests: list[dict], max_batch: int) -> list[list[dict]]:
 
 class Executor:
     """One thread owns the Engine: it loads it, warms it up, then runs jobs in arrival order, up to
-    `max_batch` of those already queued together (`Engine.run_many`: one sweep where the engine
-    batches; a request that fails fails alone).
+    `max_batch` of those already queued together (`Engine.prepare_many` / `launch` / `collect`: one
+    sweep where the engine batches; a request that fails fails alone). On CUDA the next batch's
+    host work overlaps the device work of the one before it.
 
     A job whose future was cancelled before it started (its client's timeout passed) is skipped.
     Jobs are admitted by the HTTP side, which bounds how many wait.
@@ -211,36 +212,66 @@ class Executor:
         # An engine that does not batch runs requests one at a time, so each starts (and can still be
         # abandoned) on its own.
         take = self.max_batch if batches else 1
-        stopping = False
-        while not stopping and (job := self._jobs.get()) is not None:
-            jobs = [job]
-            while len(jobs) < take:  # what is already waiting, never more
-                try:
-                    more = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stopping = True  # run this batch, then end
-                    break
-                jobs.append(more)
-            self._run_jobs(engine, [j for j in jobs if j.future.set_running_or_notify_cancel()])  # skip the abandoned
+        # On CUDA, pipelined: the next jobs' host work (decoding, tokenizing, planning; their vision
+        # towers queue behind the device work in flight) runs before the jobs in flight are
+        # collected. On the CPU the device work is the executor's own, so nothing would overlap.
+        pipelined = engine.model.device.type == "cuda"
+        in_flight, stopping = None, False
+        while True:
+            jobs = [] if stopping else self._take(take, block=in_flight is None)
+            if jobs and jobs[-1] is None:
+                jobs, stopping = jobs[:-1], True  # run what came before the stop, then end
+            jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]  # skip the abandoned
+            prepared = self._prepare(engine, jobs) if jobs else None
+            if in_flight is not None:
+                self._collect(engine, *in_flight)
+            in_flight = (jobs, engine.launch(prepared)) if prepared is not None else None
+            if in_flight is not None and not pipelined:
+                self._collect(engine, *in_flight)
+                in_flight = None
+            if in_flight is None and stopping:
+                return
 
-    def _run_jobs(self, engine, jobs: list[Job]) -> None:
-        if not jobs:
-            return
+    def _take(self, most: int, block: bool) -> list:
+        """Up to `most` queued jobs, waiting for the first only when `block`; a None (stop) ends the list."""
+        jobs = []
+        while len(jobs) < most:
+            try:
+                job = self._jobs.get() if block and not jobs else self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            jobs.append(job)
+            if job is None:
+                break
+        return jobs
+
+    def _prepare(self, engine, jobs: list[Job]):
         started = time.perf_counter()
         for job in jobs:
             job.started_at, job.batch = started, len(jobs)
         self.batches_run += len(jobs) > 1
         try:
-            results = engine.run_many([job.request for job in jobs])
-        except BaseException as exc:  # not a request's own failure (run_many returns those): all fail
-            results = [exc] * len(jobs)
+            return engine.prepare_many([job.request for job in jobs])
+        except BaseException as exc:  # not a request's own failure (prepare_many keeps those): all fail
+            self._fail(jobs, exc)
+            return None
+
+    def _collect(self, engine, jobs: list[Job], batch) -> None:
+        try:
+            results = engine.collect(batch)
+        except BaseException as exc:
+            self._fail(jobs, exc)
+            return
         for job, result in zip(jobs, results):
             if isinstance(result, BaseException):
                 job.future.set_exception(result)
             else:
                 job.future.set_result(result)
+
+    @staticmethod
+    def _fail(jobs: list[Job], exc: BaseException) -> None:
+        for job in jobs:
+            job.future.set_exception(exc)
 
 
 # ---------------------------------------------------------------- the HTTP application
