@@ -155,10 +155,13 @@ class Executor:
     Jobs are admitted by the HTTP side, which bounds how many wait.
     """
 
-    def __init__(self, load: Callable[[], object], warmup: list[dict], max_batch: int = Settings.max_batch):
+    def __init__(self, load: Callable[[], object], warmup: list[dict], max_batch: int = Settings.max_batch,
+                 pipelined: bool | None = None):
+        """pipelined: overlap the next batch's host work with the one in flight (None: on CUDA)."""
         self._load = load
         self._warmup = warmup
         self.max_batch = max_batch
+        self.pipelined = pipelined
         self.batches_run = 0  # executor sweeps with more than one request
         self._jobs: "queue.SimpleQueue[Job | None]" = queue.SimpleQueue()
         self._ready = threading.Event()
@@ -215,7 +218,7 @@ class Executor:
         # On CUDA, pipelined: the next jobs' host work (decoding, tokenizing, planning; their vision
         # towers queue behind the device work in flight) runs before the jobs in flight are
         # collected. On the CPU the device work is the executor's own, so nothing would overlap.
-        pipelined = engine.model.device.type == "cuda"
+        pipelined = self.pipelined if self.pipelined is not None else engine.model.device.type == "cuda"
         in_flight, stopping = None, False
         while True:
             jobs = [] if stopping else self._take(take, block=in_flight is None)

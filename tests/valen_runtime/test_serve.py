@@ -672,3 +672,55 @@ def test_accepted_connections_turn_nagles_algorithm_off():
         return value
 
     assert asyncio.run(nodelay_of_an_accepted_connection()) != 0
+
+
+class _RecordingEngine:
+    """What the executor calls on an engine, recorded; the first launch holds until `release` is set
+    (the device still busy with it), so the test decides what is queued meanwhile."""
+
+    batches, mode, one_pass, graphs, kernels = True, "shared-prefix", True, None, {}
+
+    def __init__(self):
+        import threading
+
+        self.calls: list[tuple[str, list]] = []
+        self.release = threading.Event()
+        self.launched = threading.Event()
+
+    def prepare_many(self, requests):
+        self.calls.append(("prepare", [r["n"] for r in requests]))
+        return [r["n"] for r in requests]
+
+    def launch(self, batch):
+        self.calls.append(("launch", batch))
+        if len([c for c in self.calls if c[0] == "launch"]) == 1:
+            self.launched.set()
+            assert self.release.wait(30)
+        return batch
+
+    def collect(self, batch):
+        self.calls.append(("collect", batch))
+        return [ValueError("bad") if n == "bad" else {"n": n} for n in batch]
+
+
+def test_the_pipelined_executor_prepares_the_next_batch_before_collecting_the_one_in_flight():
+    """With pipelining (CUDA's default) the host work of the jobs that arrived meanwhile runs while
+    the batch before them is in flight, then that batch is collected, then the new one launched;
+    a request failing in collect fails alone."""
+    from valen_runtime.serve import Executor
+
+    engine = _RecordingEngine()
+    executor = Executor(lambda: engine, [], max_batch=8, pipelined=True)
+    executor.start()
+    first = executor.submit({"n": 1})
+    assert engine.launched.wait(30)
+    later = [executor.submit({"n": n}) for n in (2, "bad", 3)]
+    engine.release.set()
+    assert first.future.result(30) == {"n": 1}
+    assert [j.future.result(30) for j in (later[0], later[2])] == [{"n": 2}, {"n": 3}]
+    with pytest.raises(ValueError, match="bad"):
+        later[1].future.result(30)
+    executor.stop()
+    assert engine.calls == [("prepare", [1]), ("launch", [1]), ("prepare", [2, "bad", 3]), ("collect", [1]),
+                            ("launch", [2, "bad", 3]), ("collect", [2, "bad", 3])]
+    assert [j.batch for j in [first, *later]] == [1, 3, 3, 3] and executor.batches_run == 1
