@@ -142,7 +142,8 @@ def warmup_batches(requests: list[dict], max_batch: int) -> list[list[dict]]:
     prefixes, a mix with images) before the first client: basic warmups (two requests) have none."""
     if max_batch < 2 or len(requests) <= 2:
         return []
-    return [requests[2:4], requests[6:10][:max_batch], requests[2:][:max_batch]]
+    # warmup_requests(True): [basic (2) | short, short, short, short, long, long, long, long | images (4)]
+    return [requests[2:4], requests[6:10][:max_batch], [requests[2], requests[8], *requests[10:12]][:max_batch]]
 
 
 class Executor:

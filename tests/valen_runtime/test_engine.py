@@ -305,6 +305,23 @@ def test_batched_one_pass_on_cuda_is_as_accurate_as_each_alone(tiny_export, batc
     reference = Engine.load(export, EngineOptions(device="cuda", dtype="bf16", mode="per-branch"))
     assert_truth_relative([r.response for r in runs[-1]], truth, reference, batch_requests, "cuda")
     assert_truth_relative([r.response for r in alone], truth, reference, batch_requests, "cuda")
+    # Two different images of one grid: the graphed tower answers in one buffer, which each request
+    # of a batch must have copied before the next image replays it.
+    same_grid = [dict(batch_requests[3], state={"image": solid_png_data_url(64, 48, colour)}) for colour in ("red", "navy")]
+    together = fast.run_many(same_grid)
+    assert together[0].response["answers"] != together[1].response["answers"]
+    assert_truth_relative([r.response for r in together], truth, reference, same_grid, "cuda")
+
+
+def solid_png_data_url(width: int, height: int, colour: str) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 @pytest.mark.parametrize("device, phrase", [

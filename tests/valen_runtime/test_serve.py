@@ -630,6 +630,22 @@ def test_every_warmup_request_is_valid_and_covers_the_shape_families(tiny_export
     assert len(grids) >= 3  # the 2 x 2 image and two more sizes
 
 
+def test_warmup_batches_cover_the_combined_sweeps_families(tiny_export):
+    """The full warmup's batches: one of states without a prefix only, one with several prefixes,
+    one mixing images; at most --max-batch requests each; none for the basic warmup or --max-batch 1."""
+    from valen_runtime.request import Compiler
+    from valen_runtime.serve import warmup_batches, warmup_requests
+
+    compiler = Compiler.from_dir(tiny_export["separate"])
+    full = warmup_requests(True)
+    assert warmup_batches(warmup_requests(False), 8) == [] and warmup_batches(full, 1) == []
+    groups = [[compiler.compile(r) for r in group] for group in warmup_batches(full, 4)]
+    prefixes = [sum(len(c.state.input_ids) >= 64 for c in group) for group in groups]
+    images = [sum(c.state.image_grid_thw is not None for c in group) for group in groups]
+    assert all(2 <= len(group) <= 4 for group in groups)
+    assert 0 in prefixes and max(prefixes) >= 2 and max(images) >= 1
+
+
 @pytest.mark.gpu
 def test_first_requests_after_ready_do_not_compile(tiny_export, tmp_path):
     """On CUDA the warmup pays for torch.compile and graph capture: a request of a family it did not
