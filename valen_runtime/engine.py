@@ -10,6 +10,9 @@
   continuing from its per-layer state, laid out by plan.py; exact in real arithmetic, rounding
   measured by valen-parity). On CUDA the shared-prefix work can replay from a CUDA graph.
 - finish: probabilities, answers and the response JSON (answers.py).
+`run_many` runs several requests as one batch (prepare_many -> launch -> collect): where the
+engine runs the one-pass layout their rows share one sweep of the layers, each request with its
+own prefix (plan.plan_one_pass); a request that fails is answered by its own exception.
 The engine knows nothing about JSON validation or tokenization: request.py does that.
 """
 
