@@ -183,46 +183,42 @@ def packed_indices(groups: list[tuple[int, list[int]]], K: int) -> list[torch.Te
     continuation lengths): the prefixes lead back to back, then every group's continuations in
     group order; a prefix of 0 rows means its continuations start from zero history. K: conv taps."""
     assert all(cut == 0 or cut >= K - 1 for cut, _ in groups), "a prefix must hold a whole conv history"
-    seq_ids, offsets, owners, taps = [], [], [], []
-    prefix_ends, row = [], 0
-    for g, (cut, _) in enumerate(groups):  # prefix rows: sequence -1 - g; taps read zeros before the start
-        rows, offs = torch.arange(row, row + cut), torch.arange(cut)
-        seq_ids.append(torch.full((cut,), -1 - g))
-        offsets.append(offs)
-        owners.append(torch.full((cut,), g))
-        taps.append(torch.stack([torch.where(offs + j >= K - 1, rows + j, offs + j) for j in range(K)]))
+    # Every sequence once, in row order: (length, sequence id, owner, where its history ends).
+    # Prefix g is sequence -1 - g and reads zeros before its start; continuation n is sequence n
+    # and reads the last rows of its group's prefix (zeros without one: a history end of 0).
+    sequences, prefix_ends, row = [], [], 0
+    for g, (cut, _) in enumerate(groups):
+        sequences.append((cut, -1 - g, g, 0))
         row += cut
         prefix_ends.append(row)
     total_cut, n = row, 0
     initial_state_index, prefix_number = [], 0
     for g, (cut, lengths) in enumerate(groups):
-        if cut:
-            prefix_number += 1
-        for length in lengths:  # continuation n: sequence n
-            rows, offs = torch.arange(row, row + length), torch.arange(length)
-            seq_ids.append(torch.full((length,), n))
-            offsets.append(offs)
-            owners.append(torch.full((length,), g))
-            # Tap j of row t reads [zeros (K-1) | rows] at t + j: its own rows, or before its start
-            # the last rows of its group's prefix (which ends at prefix_ends[g]), or zeros without one.
-            before = prefix_ends[g] + offs if cut else offs
-            taps.append(torch.stack([torch.where(offs + j >= K - 1, rows + j, before + j) for j in range(K)]))
+        prefix_number += bool(cut)
+        for length in lengths:
+            sequences.append((length, n, g, prefix_ends[g] if cut else 0))
             initial_state_index.append(prefix_number if cut else 0)
-            row += length
             n += 1
+    # Per row (plain lists: torch.repeat_interleave costs milliseconds on the CPU at these sizes).
+    offsets = torch.tensor([o for s in sequences for o in range(s[0])], dtype=torch.int64)  # [R]
+    seq_ids, owners, history = (torch.tensor([s[i] for s in sequences for _ in range(s[0])], dtype=torch.int64) for i in (1, 2, 3))
+    R = len(offsets)
+    # Tap j of row t reads [zeros (K-1) | rows] at t + j: its own rows, or before its start the
+    # history's last rows (offset + j < K - 1 lands below the history's end, or in the zeros).
+    rows = torch.arange(R)
+    taps = torch.stack([torch.where(offsets + j >= K - 1, rows + j, history + offsets + j) for j in range(K)])  # [K, R]
     cont_lengths = [length for _, lengths in groups for length in lengths]
     prefix_lengths = [cut for cut, _ in groups if cut]
-    owners = torch.cat(owners)
     # Attention per request: its rows in order (prefix, then continuations), padded with -1 to the
     # longest request's count L; slots: where each row lands in the flattened [m, L].
     per_group = [torch.nonzero(owners == g).view(-1) for g in range(len(groups))]
-    L = max(len(rows) for rows in per_group)
-    attention_rows = torch.stack([torch.cat([rows, torch.full((L - len(rows),), -1)]) for rows in per_group])  # [m, L]
-    slots = torch.empty(row, dtype=torch.int64)
-    for g, rows in enumerate(per_group):
-        slots[rows] = g * L + torch.arange(len(rows))
+    L = max(len(r) for r in per_group)
+    attention_rows = torch.stack([torch.cat([r, torch.full((L - len(r),), -1)]) for r in per_group])  # [m, L]
+    slots = torch.empty(R, dtype=torch.int64)
+    for g, r in enumerate(per_group):
+        slots[r] = g * L + torch.arange(len(r))
     return [
-        torch.cat(seq_ids), torch.cat(offsets), torch.cat(taps, dim=1), _cu_seqlens(cont_lengths), _chunk_indices(cont_lengths),
+        seq_ids, offsets, taps, _cu_seqlens(cont_lengths), _chunk_indices(cont_lengths),
         torch.arange(total_cut), owners, _cu_seqlens(prefix_lengths), _chunk_indices(prefix_lengths),
         torch.tensor(initial_state_index, dtype=torch.int64), attention_rows, slots,
     ]
