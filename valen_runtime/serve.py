@@ -60,12 +60,15 @@ class Settings:
     request_timeout: float = 55.0  # seconds from admission to answer; the frontend gives up at 60 s
     read_timeout: float = 15.0  # seconds for a request's headers, and again for its body (as upstream)
     max_batch: int = 8  # waiting requests the executor runs together (1: one at a time)
+    batch_wait: float = 0.0  # seconds an idle executor waits for more requests to join a batch
 
     def __post_init__(self):
         for name, least in (("queue_size", 0), ("max_batch", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
+        if not (math.isfinite(self.batch_wait) and 0 <= self.batch_wait <= 1):
+            raise ValueError(f"--batch-wait-ms must be between 0 and 1000, got {self.batch_wait * 1e3:g}")
         for name in ("request_timeout", "read_timeout"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -157,11 +160,13 @@ class Executor:
     """
 
     def __init__(self, load: Callable[[], object], warmup: list[dict], max_batch: int = Settings.max_batch,
-                 pipelined: bool | None = None):
-        """pipelined: overlap the next batch's host work with the one in flight (None: on CUDA)."""
+                 pipelined: bool | None = None, batch_wait: float = Settings.batch_wait):
+        """pipelined: overlap the next batch's host work with the one in flight (None: on CUDA).
+        batch_wait: seconds an idle executor, woken by one request, waits for more to join it."""
         self._load = load
         self._warmup = warmup
         self.max_batch = max_batch
+        self.batch_wait = batch_wait
         self.pipelined = pipelined
         self.batches_run = 0  # executor sweeps with more than one request
         self._jobs: "queue.SimpleQueue[Job | None]" = queue.SimpleQueue()
@@ -237,11 +242,18 @@ class Executor:
                 return
 
     def _take(self, most: int, block: bool) -> list:
-        """Up to `most` queued jobs, waiting for the first only when `block`; a None (stop) ends the list."""
-        jobs = []
+        """Up to `most` queued jobs, waiting for the first only when `block` (and then up to
+        batch_wait for more); a None (stop) ends the list."""
+        jobs, deadline = [], None
         while len(jobs) < most:
             try:
-                job = self._jobs.get() if block and not jobs else self._jobs.get_nowait()
+                if block and not jobs:
+                    job = self._jobs.get()
+                    deadline = time.perf_counter() + self.batch_wait
+                elif deadline is not None and (left := deadline - time.perf_counter()) > 0:
+                    job = self._jobs.get(timeout=left)
+                else:
+                    job = self._jobs.get_nowait()
             except queue.Empty:
                 break
             jobs.append(job)
@@ -618,8 +630,8 @@ def _stop_on_signal_before_ready():
             signal.signal(sig, handler)
 
 
-def _start(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration, queue_size, max_batch, request_timeout,
-           read_timeout, threads, warmup, compile_, graphs) -> tuple[Executor, Settings, str, socket.socket]:
+def _start(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration, queue_size, max_batch, batch_wait_ms,
+           request_timeout, read_timeout, threads, warmup, compile_, graphs) -> tuple[Executor, Settings, str, socket.socket]:
     """Check the options, bind the port, load and warm up: (executor, settings, device, socket)."""
     import torch
 
@@ -627,7 +639,8 @@ def _start(export_dir, host, port, device, dtype, mode, kernels, temperature, ca
     from .engine import Engine
     from .options import EngineOptions
 
-    settings = Settings(queue_size=queue_size, request_timeout=request_timeout, read_timeout=read_timeout, max_batch=max_batch)
+    settings = Settings(queue_size=queue_size, request_timeout=request_timeout, read_timeout=read_timeout, max_batch=max_batch,
+                        batch_wait=batch_wait_ms / 1e3)
     if temperature is not None and calibration is not None:
         raise ValenError("--temperature and --calibration are mutually exclusive")
     temp = load_temperature(calibration) if calibration is not None else (1.0 if temperature is None else temperature)
@@ -641,7 +654,7 @@ def _start(export_dir, host, port, device, dtype, mode, kernels, temperature, ca
         return Engine.load(export_dir, options, verify="full", temperature=temp)
 
     full = warmup == "full" or (warmup == "auto" and dev.startswith("cuda"))
-    executor = Executor(load, warmup_requests(full), settings.max_batch)
+    executor = Executor(load, warmup_requests(full), settings.max_batch, batch_wait=settings.batch_wait)
     log.info({"event": "loading", "export": str(export_dir), "device": dev, "dtype": dtype, "warmup": "full" if full else "basic"})
     executor.start()
     return executor, settings, dev, sock
@@ -659,14 +672,15 @@ def _start(export_dir, host, port, device, dtype, mode, kernels, temperature, ca
 @click.option("--calibration", type=click.Path(path_type=Path), default=None, help="Calibration JSON with a scalar 'temperature'.")
 @click.option("--queue-size", default=Settings.queue_size, show_default=True, type=int, help="Requests admitted beyond the one running; one more is answered 503.")
 @click.option("--max-batch", default=Settings.max_batch, show_default=True, type=int, help="Up to this many waiting requests run in one sweep of the layers (the fast path's shared-prefix mode; never waits for more); 1: one at a time.")
+@click.option("--batch-wait-ms", default=0.0, show_default=True, type=float, help="How long an idle executor woken by one request waits for more to join its batch (0: never waits).")
 @click.option("--request-timeout", default=Settings.request_timeout, show_default=True, type=float, help="Seconds from admission to answer; past it 503.")
 @click.option("--read-timeout", default=Settings.read_timeout, show_default=True, type=float, help="Seconds for a request's headers, and for its body; past it 408.")
 @click.option("--threads", type=click.IntRange(1, None), default=None, help="torch CPU threads (default: torch's, one per core); 1 keeps a busy shared machine from stalling the model's parallel loops.")
 @click.option("--warmup", type=click.Choice(["auto", "basic", "full"]), default="auto", show_default=True, help="basic: one text and one image request; full: every shape family the CUDA fast path compiles (auto: full on CUDA).")
 @click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile the CUDA fast path (default: on for CUDA).")
 @click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=None, help="Capture CUDA graphs (default: on for CUDA).")
-def main(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration, queue_size, max_batch, request_timeout, read_timeout,
-         threads, warmup, compile_, graphs) -> None:
+def main(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration, queue_size, max_batch, batch_wait_ms, request_timeout,
+         read_timeout, threads, warmup, compile_, graphs) -> None:
     """Serve an export as a System1-Omni worker: POST /v1/systemone, GET /health.
 
     \b
@@ -678,7 +692,8 @@ def main(export_dir, host, port, device, dtype, mode, kernels, temperature, cali
     try:
         with _stop_on_signal_before_ready():
             executor, settings, dev, sock = _start(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration,
-                                                   queue_size, max_batch, request_timeout, read_timeout, threads, warmup, compile_, graphs)
+                                                   queue_size, max_batch, batch_wait_ms, request_timeout, read_timeout, threads, warmup,
+                                                   compile_, graphs)
     except (ValenError, ValueError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -699,7 +714,7 @@ def main(export_dir, host, port, device, dtype, mode, kernels, temperature, cali
     log.info({"event": "ready", "url": f"http://{url_host}:{bound_port}", "port": bound_port, "device": dev,
               "device_name": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else (platform.processor() or platform.machine()),
               "dtype": dtype, "torch_threads": torch.get_num_threads(), **executor.engine_info, **{k: round(v, 3) for k, v in executor.timings.items()},
-              "queue_size": settings.queue_size, "request_timeout_s": settings.request_timeout, "read_timeout_s": settings.read_timeout,
+              "queue_size": settings.queue_size, "batch_wait_ms": settings.batch_wait * 1e3, "request_timeout_s": settings.request_timeout, "read_timeout_s": settings.read_timeout,
               "versions": {"python": platform.python_version(), "torch": torch.__version__, "uvicorn": uvicorn.__version__}})
     server.run(sockets=[sock])
     executor.stop()

@@ -601,10 +601,14 @@ def test_waiting_requests_run_in_one_sweep_and_a_bad_one_fails_alone(batching_wo
     assert_truth_relative([body for _, body, _ in answers[:-1]], truth, reference, batch_requests, "cpu")
 
 
-def test_max_batch_must_be_at_least_1(tiny_export):
-    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--max-batch", "0", "--device", "cpu"]
+@pytest.mark.parametrize("option, value, message", [
+    ("--max-batch", "0", "error: --max-batch must be an integer >= 1, got 0"),
+    ("--batch-wait-ms", "1500", "error: --batch-wait-ms must be between 0 and 1000, got 1500"),
+])
+def test_batching_options_are_checked_in_one_line(tiny_export, option, value, message):
+    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), option, value, "--device", "cpu"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == "error: --max-batch must be an integer >= 1, got 0", result.stderr
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == message, result.stderr
 
 
 # ---------------------------------------------------------------- warmup
@@ -740,3 +744,22 @@ def test_the_pipelined_executor_prepares_the_next_batch_before_collecting_the_on
     assert engine.calls == [("prepare", [1]), ("launch", [1]), ("prepare", [2, "bad", 3]), ("collect", [1]),
                             ("launch", [2, "bad", 3]), ("collect", [2, "bad", 3])]
     assert [j.batch for j in [first, *later]] == [1, 3, 3, 3] and executor.batches_run == 1
+
+
+def test_batch_wait_lets_an_idle_executor_gather_requests_that_come_soon_after():
+    """--batch-wait-ms: the first request wakes the executor, which waits that long (here 2 s) for
+    more before it launches; two that come 0.1 s later join the first one's batch."""
+    from valen_runtime.serve import Executor
+
+    engine = _RecordingEngine()
+    engine.release.set()
+    executor = Executor(lambda: engine, [], max_batch=8, pipelined=False, batch_wait=2.0)
+    executor.start()
+    t0 = time.monotonic()
+    jobs = [executor.submit({"n": 1})]
+    time.sleep(0.1)
+    jobs += [executor.submit({"n": n}) for n in (2, 3)]
+    assert [j.future.result(30) for j in jobs] == [{"n": 1}, {"n": 2}, {"n": 3}]
+    assert time.monotonic() - t0 >= 2.0  # a partial batch waited the whole time for a fuller one
+    executor.stop()
+    assert engine.calls[0] == ("prepare", [1, 2, 3]) and [j.batch for j in jobs] == [3, 3, 3]
