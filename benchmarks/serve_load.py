@@ -5,7 +5,11 @@ Starts `valen-serve` on 127.0.0.1 (a free port) for an export, then:
 2. for each concurrency (default 1, 8, 32): closed-loop clients on keep-alive connections (asyncio,
    one thread) send the request mix until --requests answers or --duration seconds, whichever
    comes first; p50 / p99 / mean latency per kind and in all as the client sees it, the same from
-   the server's log (total, waiting in the queue, running), requests/s, status counts;
+   the server's log (total, waiting in the queue, running, and how many requests each ran with),
+   requests/s (and its ratio to concurrency 1), status counts; every answer is checked against the
+   first answer to the same request: with --max-batch > 1 a request's answer may differ in its last
+   bits with its batch-mates (docs/runtime.md), so the distinct variants, the largest probability
+   difference between them and any changed decision are reported;
 3. memory: --leak-requests more requests (default 10,000) at --leak-concurrency, the server's RSS
    (and on CUDA its GPU memory from nvidia-smi) sampled 20 times, with the slope over the second half;
 4. SIGTERM, and the server's exit code.
@@ -16,6 +20,7 @@ The requests are the latency benchmark's (bench_requests.py): "text" is b_text48
 text, one choice of two), "image" a_image448_7branch (a 448 x 448 image and text, 7 branches).
 
     python benchmarks/serve_load.py --export build/fx-export --device cpu --out serve-load.json
+    python benchmarks/serve_load.py --export build/gpu-bench/export-2b-separate --device cuda --mix image:1 --concurrency 1,8 --out batched.json
     python benchmarks/serve_load.py --export build/gpu-bench/export-2b-separate --build 2b --device cuda --out serve-load.json
 """
 
@@ -76,7 +81,7 @@ class Server:
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[dict] = []
-        self.timings: list[tuple[float, float, float]] = []  # (ms, queue_ms, run_ms) of answered requests, from the server's log
+        self.timings: list[tuple[float, float, float, int]] = []  # (ms, queue_ms, run_ms, batch) of answered requests, from the server's log
         self._lock = threading.Lock()
         self.ready = threading.Event()
         threading.Thread(target=self._collect, daemon=True).start()
@@ -98,17 +103,21 @@ class Server:
                 self.lines.append(line)
             elif line.get("status") == 200:
                 with self._lock:
-                    self.timings.append((line["ms"], line["queue_ms"], line["run_ms"]))
+                    self.timings.append((line["ms"], line["queue_ms"], line["run_ms"], line.get("batch", 1)))
             if line.get("event") == "ready":
                 self.ready.set()
         self.ready.set()
 
     def take_timings(self) -> dict:
-        """Server-side percentiles (the log's ms, queue_ms, run_ms) of the requests answered since the last call."""
+        """Server-side percentiles (the log's ms, queue_ms, run_ms) of the requests answered since the
+        last call, and how many requests each ran with (its sweep's size)."""
         time.sleep(0.2)  # a request's log line follows its answer
         with self._lock:
             taken, self.timings = self.timings, []
-        return {name: summarize([t[i] / 1e3 for t in taken]) for i, name in enumerate(("total", "queue", "run"))}
+        out = {name: summarize([t[i] / 1e3 for t in taken]) for i, name in enumerate(("total", "queue", "run"))}
+        batches = [t[3] for t in taken]
+        out["batch"] = {"mean": round(statistics.fmean(batches), 3), "max": max(batches)} if batches else {}
+        return out
 
     def memory_mib(self) -> tuple[float, float]:
         """The server's resident set now and its peak so far (VmRSS, VmHWM), in MiB."""
@@ -168,6 +177,30 @@ class Connection:
         self.reader = self.writer = None
 
 
+def answer_probabilities(body: bytes) -> tuple[list[float], list]:
+    """Every probability an answer states, flattened (a noul answer states p(true)), and its decisions (choice / score)."""
+    probabilities, decisions = [], []
+    for answer in json.loads(body)["answers"].values():
+        probabilities += list(answer["probabilities"].values()) if "probabilities" in answer else [answer["noul"]]
+        decisions.append(answer.get("choice", answer.get("score")))
+    return probabilities, decisions
+
+
+def compare_variants(expected: dict[str, bytes], answers: dict[str, set[bytes]]) -> dict:
+    """Per kind: the distinct answers seen, the largest |dp| of any of them from the first answer, and
+    how many changed a choice."""
+    out = {}
+    for kind, seen in answers.items():
+        first_p, first_d = answer_probabilities(expected[kind])
+        worst, changed = 0.0, 0
+        for body in seen - {expected[kind]}:
+            p, d = answer_probabilities(body)
+            worst = max([worst] + [abs(a - b) for a, b in zip(p, first_p)])
+            changed += any(a != b for a, b in zip(d, first_d) if isinstance(a, str))
+        out[kind] = {"variants": len(seen | {expected[kind]}), "max_abs_dp_from_first": worst, "changed_choices": changed}
+    return out
+
+
 async def run_phase(port: int, bodies: dict[str, bytes], expected: dict[str, bytes], schedule: list[str], concurrency: int,
                     max_requests: int, max_seconds: float, on_progress=None) -> dict:
     """Closed loop: `concurrency` connections, each sends its next request when its last one is answered."""
@@ -175,6 +208,7 @@ async def run_phase(port: int, bodies: dict[str, bytes], expected: dict[str, byt
     latencies: dict[str, list[float]] = {kind: [] for kind in bodies}
     statuses: dict[str, int] = {}
     mismatches = 0
+    answers: dict[str, set[bytes]] = {kind: set() for kind in bodies}
     deadline = time.perf_counter() + max_seconds
 
     async def client() -> None:
@@ -192,7 +226,8 @@ async def run_phase(port: int, bodies: dict[str, bytes], expected: dict[str, byt
             statuses[str(status)] = statuses.get(str(status), 0) + 1
             if status == 200:
                 latencies[kind].append(elapsed)
-                mismatches += data != expected[kind]  # the same request must get the same answer under load
+                mismatches += data != expected[kind]  # without batching, the same request gets the same bytes
+                answers[kind].add(data)
             if on_progress is not None:
                 on_progress(sum(statuses.values()))
         connection.close()
@@ -203,7 +238,7 @@ async def run_phase(port: int, bodies: dict[str, bytes], expected: dict[str, byt
     answered = sum(len(v) for v in latencies.values())
     return {
         "concurrency": concurrency, "wall_s": round(wall, 3), "answered": answered, "requests_per_s": round(answered / wall, 2),
-        "statuses": statuses, "answers_differing_from_the_first": mismatches,
+        "statuses": statuses, "answers_differing_from_the_first": mismatches, "answer_variants": compare_variants(expected, answers),
         "latency": {"all": summarize([x for v in latencies.values() for x in v]), **{k: summarize(v) for k, v in latencies.items()}},
     }
 
@@ -282,11 +317,18 @@ def main() -> None:
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
             phase = asyncio.run(run_phase(server.port, bodies, expected, schedule, concurrency, args.requests, args.duration))
             phase["server_side"] = server.take_timings()
+            single = next((p for p in result["load"] if p["concurrency"] == 1), None)
+            if single is not None and single["requests_per_s"]:
+                phase["requests_per_s_vs_concurrency_1"] = round(phase["requests_per_s"] / single["requests_per_s"], 3)
+            lat_all = phase["latency"]["all"]
+            if lat_all.get("n"):
+                phase["p99_over_p50"] = round(lat_all["p99_ms"] / lat_all["p50_ms"], 3)
             result["load"].append(phase)
             lat, srv = phase["latency"]["all"], phase["server_side"]
             print(f"concurrency {concurrency:>3}: {phase['answered']} answered in {phase['wall_s']} s, {phase['requests_per_s']} req/s, "
                   f"p50 {lat.get('p50_ms')} ms, p99 {lat.get('p99_ms')} ms (server: run p50 {srv['run'].get('p50_ms')} ms, "
-                  f"queue p99 {srv['queue'].get('p99_ms')} ms), statuses {phase['statuses']}", flush=True)
+                  f"queue p99 {srv['queue'].get('p99_ms')} ms, batch {srv['batch']}), x{phase.get('requests_per_s_vs_concurrency_1', '-')} of "
+                  f"concurrency 1, p99/p50 {phase.get('p99_over_p50')}, statuses {phase['statuses']}, answers {phase['answer_variants']}", flush=True)
 
         samples = []
         every = max(1, args.leak_requests // 20)

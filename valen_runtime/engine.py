@@ -10,6 +10,9 @@
   continuing from its per-layer state, laid out by plan.py; exact in real arithmetic, rounding
   measured by valen-parity). On CUDA the shared-prefix work can replay from a CUDA graph.
 - finish: probabilities, answers and the response JSON (answers.py).
+`run_many` runs several requests as one batch (prepare_many -> launch -> collect): where the
+engine runs the one-pass layout their rows share one sweep of the layers, each request with its
+own prefix (plan.plan_one_pass); a request that fails is answered by its own exception.
 The engine knows nothing about JSON validation or tokenization: request.py does that.
 """
 
@@ -25,7 +28,7 @@ import torch
 
 from .answers import answer_from_probabilities, batch_probabilities, response
 from .options import EngineOptions
-from .plan import Plan, plan_shared_prefix
+from .plan import Plan, plan_one_pass, plan_shared_prefix
 from .positions import rope_index
 from .qwen35 import TextCache
 from .request import CompiledRequest, Compiler, ImageInputs
@@ -42,6 +45,21 @@ class RunResult:
     compiled: CompiledRequest
     logits: list[torch.Tensor]  # per question, fp32 [K] on the CPU
     timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class Batch:
+    """Requests between `Engine.prepare_many`, `launch` and `collect`."""
+
+    prepared: list  # per request: (compiled, vision features or None), or the exception it raised
+    plan: Plan | Exception | None  # the combined one-pass plan; None: each request runs alone
+    timings: dict
+    logits: list | None = None  # per ready request, per question [K] fp32 on the device, once launched
+    error: Exception | None = None  # what the launch raised
+
+    @property
+    def ready(self) -> list[tuple[CompiledRequest, torch.Tensor | None]]:
+        return [p for p in self.prepared if not isinstance(p, Exception)]
 
 
 class Engine:
@@ -110,6 +128,91 @@ class Engine:
         # model_s: the rest of the device work, until the logits are ready.
         return self.finish(compiled, logits, {"prepare_s": t1 - t0, "model_s": t2 - t1})
 
+    def run_many(self, requests: list[dict]) -> list[RunResult | Exception]:
+        """Several requests at once: each prepared alone, then those that compiled run in one sweep
+        of the layers where the engine batches (`batches`), else one after the other. Per request:
+        its RunResult, or the exception that request raised (a bad request fails alone).
+        `prepare_many` -> `launch` -> `collect`, which a server can overlap (serve.py)."""
+        return self.collect(self.launch(self.prepare_many(requests)))
+
+    def prepare_many(self, requests: list[dict]) -> "Batch":
+        """The host work of run_many: every request compiled (its vision tower queued), a request
+        that fails keeping its exception, and the combined plan where the engine batches."""
+        t0 = time.perf_counter()
+        prepared: list[tuple[CompiledRequest, torch.Tensor | None] | Exception] = []
+        for request in requests:
+            try:
+                compiled, features = self.prepare(request)
+            except Exception as exc:  # its own answer (4xx for a RequestError); the others go on
+                prepared.append(exc)
+                continue
+            if features is not None and self.graphs is not None:
+                # A graphed tower answers in its graph's own buffer, which the next image of the same
+                # grid overwrites: each request keeps a copy (queued in order, so it is this one's).
+                features = features.clone()
+            prepared.append((compiled, features))
+        ready = [p for p in prepared if not isinstance(p, Exception)]
+        plan = None
+        if len(ready) > 1 and self.batches:
+            try:
+                plan = plan_one_pass([c for c, _ in ready], self.model.config)
+            except Exception as exc:  # not a request's fault: every one runs alone in launch
+                plan = exc
+        return Batch(prepared, plan, {"prepare_s": time.perf_counter() - t0})
+
+    @torch.no_grad()
+    def launch(self, batch: "Batch") -> "Batch":
+        """Queue the device work of a prepared batch (not awaited on CUDA; `collect` waits)."""
+        t0 = time.perf_counter()
+        ready = batch.ready
+        try:
+            if isinstance(batch.plan, Plan):
+                batch.logits = self.execute_plan_many([c for c, _ in ready], batch.plan, [f for _, f in ready])
+            elif batch.plan is None:
+                batch.logits = [self.execute(c, f) for c, f in ready]
+            else:
+                raise batch.plan
+        except Exception as exc:
+            batch.error = exc
+        batch.timings["launch_s"] = time.perf_counter() - t0
+        return batch
+
+    def collect(self, batch: "Batch") -> list[RunResult | Exception]:
+        """Wait for a launched batch and finish each request: per request its RunResult or exception."""
+        t0 = time.perf_counter()
+        if batch.error is not None:
+            if len(batch.ready) < 2:
+                return [p if isinstance(p, Exception) else batch.error for p in batch.prepared]
+            # A failure of the combined sweep must not fail every request: each runs alone, and
+            # one that fails again carries its own exception.
+            return [p if isinstance(p, Exception) else self._run_prepared(*p) for p in batch.prepared]
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        # prepare_s: host work of the whole batch (parsing, decoding, tokenizing, the plan);
+        # model_s: queuing its device work and waiting for it; batch: requests in the sweep.
+        timings = {"prepare_s": batch.timings["prepare_s"], "model_s": batch.timings["launch_s"] + time.perf_counter() - t0,
+                   "batch": len(batch.ready) if isinstance(batch.plan, Plan) else 1}
+        out, logits = [], iter(batch.logits)
+        for p in batch.prepared:
+            out.append(p if isinstance(p, Exception) else self.finish(p[0], next(logits), dict(timings)))
+        return out
+
+    def _run_prepared(self, compiled: CompiledRequest, features: torch.Tensor | None) -> RunResult | Exception:
+        try:
+            t0 = time.perf_counter()
+            logits = self.execute(compiled, features)
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize()
+            return self.finish(compiled, logits, {"model_s": time.perf_counter() - t0, "batch": 1})
+        except Exception as exc:
+            return exc
+
+    @property
+    def batches(self) -> bool:
+        """Whether run_many sweeps several requests' rows through the layers together (the fast
+        model's one-pass layout, shared-prefix mode); otherwise it runs them one after the other."""
+        return self.mode == "shared-prefix" and self.one_pass
+
     def answer(self, request: dict) -> dict:
         return self.run(request).response
 
@@ -167,9 +270,16 @@ class Engine:
     @torch.no_grad()
     def execute_plan(self, compiled: CompiledRequest, plan: Plan, features: torch.Tensor | None) -> list[torch.Tensor]:
         """Shared-prefix mode on a given plan: per-question logits [K] fp32."""
-        inputs = plan.upload(self.model.device)  # one host-to-device copy of every index the request needs
-        if features is not None:
-            inputs.append(features)
+        return self.execute_plan_many([compiled], plan, [features])[0]
+
+    @torch.no_grad()
+    def execute_plan_many(self, compiled: list[CompiledRequest], plan: Plan,
+                          features: list[torch.Tensor | None]) -> list[list[torch.Tensor]]:
+        """A plan over one or several requests (in plan order): per request, per-question logits [K] fp32."""
+        inputs = plan.upload(self.model.device)  # one host-to-device copy of every index the requests need
+        images = [f for f in features if f is not None]  # in request order, as the plan's image indices
+        if images:
+            inputs.append(images[0] if len(images) == 1 else torch.cat(images))
         if plan.kind == "batch":
             forward = functools.partial(self._batch_logits, plan.sizes)
         else:
@@ -178,11 +288,10 @@ class Engine:
             (logits,) = forward(*inputs)
         else:
             (logits,) = self.graphs.run((plan.kind, *plan.sizes), forward, inputs)
-        per_branch = list(logits.split(plan.candidates_per_branch))  # [K_b] per branch
-        out, k = [], 0
-        for q in compiled.questions:
-            out.append(torch.cat(per_branch[k : k + len(q.branches)]))
-            k += len(q.branches)
+        per_branch = iter(logits.split(plan.candidates_per_branch))  # [K_b] per branch of every request
+        out = []
+        for c in compiled:
+            out.append([torch.cat([next(per_branch) for _ in q.branches]) for q in c.questions])
         return out
 
     # The device functions of the two layouts and their pieces (capturable: no host work).
@@ -198,13 +307,13 @@ class Engine:
             hidden = self.text(rows, rows_pos, cache=self._prefix_cache(embeds[:, :cut], prefix_pos).expand(N))
         return self._head_logits(hidden.reshape(N * L, -1), head_index, C, N)
 
-    def _one_pass_logits(self, sizes, state_ids, suffix_ids, source, rows_pos, image_index, head_index, seq_ids, offsets,
-                         conv_taps, cu_seqlens, chunk_indices, prefix_rows, features=None):
-        """The one-pass layout: [prefix | packed continuations] in one row, one sweep -> logits [C] fp32."""
+    def _one_pass_logits(self, sizes, state_ids, suffix_ids, source, rows_pos, image_index, head_index, *layout_and_features):
+        """The one-pass layout: [prefixes | packed continuations] in one row, one sweep -> logits [C] fp32."""
         from .fast.model import OnePass
 
-        P, cut, T, C, _, N, _ = sizes
-        layout = OnePass(seq_ids, offsets, conv_taps, cu_seqlens, chunk_indices, prefix_rows)
+        C, N = sizes[3], sizes[5]
+        n = len(OnePass._fields)
+        layout, features = OnePass(*layout_and_features[:n]), (layout_and_features[n] if len(layout_and_features) > n else None)
         embeds = self._state_embeds(state_ids, image_index, features)  # [1, P, H]
         rows = torch.cat([embeds[0], self.text.embed(suffix_ids)])[source][None]  # [1, cut + T, H]
         hidden = self.text.one_pass(rows, rows_pos, layout)

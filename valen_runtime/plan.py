@@ -7,9 +7,12 @@ suffix. Two layouts compute the same function:
 - "batch": the prefix in one forward (its per-layer state cached), then the branches as a
   right-padded batch continuing from it. Runs on the reference modules and on the fast model.
 - "one-pass" (the fast model's, `FastText.one_pass`): the prefix's rows followed by every
-  branch's continuation packed back to back in one row, so the layers are swept once. It needs a
-  prefix of at least K-1 rows (a whole conv history); a state under 64 tokens has none, and its
-  branches run as the batch layout from position 0 (measured faster there than packing them).
+  branch's continuation packed back to back in one row, so the layers are swept once. Several
+  requests can share one sweep (`plan_one_pass`): their prefixes lead, then all their
+  continuations, each continuing its own request's prefix. Alone, a request runs it when its
+  prefix holds at least K-1 rows (a whole conv history); a state under 64 tokens has none, and its
+  branches run as the batch layout from position 0 (measured faster there than packing them);
+  beside other requests it joins their sweep, its branches starting from a zero state.
 
 Nothing here touches the device or the model; `Plan.sizes` is also the CUDA-graph key.
 """
@@ -30,21 +33,22 @@ CHUNK = 64  # the chunk size of the reference's gated delta rule
 
 @dataclass
 class Plan:
-    """A request's shared-prefix inputs on the host.
+    """One or more requests' shared-prefix inputs on the host.
 
     batch:    parts = state ids [1, P], prefix positions [3, 1, cut], suffix ids [N, L - tail],
               row positions [3, N, L], image token indices [n_img], head rows [C + N + C];
               sizes = (P, cut, N, L, C, n_img).
-    one-pass: parts = state ids [1, P], suffix ids [S], row sources [cut + T], row positions
-              [3, 1, cut + T], image token indices, head rows, then the `fast.model.OnePass`
-              fields (seq_ids, offsets, conv_taps, cu_seqlens, chunk_indices, prefix_rows);
-              sizes = (P, cut, T, C, n_img, N, sequence lengths).
+    one-pass: parts = all state ids [1, P], all suffix ids [S], row sources [cut + T] (into
+              [states | suffixes]), row positions [3, 1, cut + T], image token indices (into the
+              states), head rows, then the `fast.model.OnePass` fields; sizes = (P, cut, T, C,
+              n_img, N, sequence lengths, prefix lengths), P and cut summed over the requests.
     """
 
     kind: str  # "batch" or "one-pass": the layout this request runs
     parts: list[torch.Tensor]
     sizes: tuple
-    candidates_per_branch: list[int]
+    candidates_per_branch: list[int]  # every branch of every request, in request order
+    branches_per_request: list[int]
 
     def upload(self, device: torch.device) -> list[torch.Tensor]:
         """One copy (pinned, asynchronous on CUDA) of all parts, returned as views in order."""
@@ -62,16 +66,21 @@ def plan_shared_prefix(compiled: CompiledRequest, config: ModelConfig, one_pass:
     """The plan for `compiled`: one-pass when asked for and the prefix holds a whole conv history,
     else the batch layout."""
     st = compiled.state
-    P = len(st.input_ids)
-    positions, next_pos = rope_index(st.input_ids, st.mm_token_type_ids, st.image_grid_thw,
-                                     config.vision_config.spatial_merge_size)  # [3, P]
-    cut = (P // CHUNK) * CHUNK
+    cut = (len(st.input_ids) // CHUNK) * CHUNK
+    if one_pass and cut >= config.text_config.linear_conv_kernel_dim - 1:
+        return plan_one_pass([compiled], config)
+    positions, next_pos = _rope(compiled, config)
     branches = [br for q in compiled.questions for br in q.branches]
-    image_index = torch.tensor([i for i, t in enumerate(st.mm_token_type_ids) if t == 1], dtype=torch.int64)
-    K = config.text_config.linear_conv_kernel_dim
-    if one_pass and cut >= K - 1:
-        return _one_pass(compiled, branches, positions, next_pos, cut, image_index, K)
-    return _batch(compiled, branches, positions, next_pos, cut, image_index)
+    return _batch(compiled, branches, positions, next_pos, cut, _image_index(compiled))
+
+
+def _rope(compiled: CompiledRequest, config: ModelConfig) -> tuple[torch.Tensor, int]:
+    st = compiled.state
+    return rope_index(st.input_ids, st.mm_token_type_ids, st.image_grid_thw, config.vision_config.spatial_merge_size)  # [3, P]
+
+
+def _image_index(compiled: CompiledRequest) -> torch.Tensor:
+    return torch.tensor([i for i, t in enumerate(compiled.state.mm_token_type_ids) if t == 1], dtype=torch.int64)
 
 
 def _batch(compiled: CompiledRequest, branches: list[Branch], positions: torch.Tensor, next_pos: int, cut: int,
@@ -86,66 +95,150 @@ def _batch(compiled: CompiledRequest, branches: list[Branch], positions: torch.T
     suffix_ids = torch.tensor([br.suffix_ids + [pad_id] * (L - tail - len(br.suffix_ids)) for br in branches])  # [N, L - tail]
     suffix_pos = torch.arange(next_pos, next_pos + L - tail).view(1, 1, -1).expand(3, N, -1)
     rows_pos = torch.cat([positions[:, None, cut:].expand(3, N, -1), suffix_pos], dim=2)  # [3, N, L]
-    head_index, C = head_rows(branches, [k * L for k in range(N)], cut)  # rows of the flattened [N * L, H]
+    head_index, C = head_rows(branches, [k * L for k in range(N)], [cut] * N)  # rows of the flattened [N * L, H]
     parts = [torch.tensor([st.input_ids]), positions[:, None, :cut], suffix_ids, rows_pos, image_index, head_index]
     sizes = (P, cut, N, L, C, len(image_index))
-    return Plan("batch", parts, sizes, [len(br.candidate_positions) for br in branches])
+    return Plan("batch", parts, sizes, [len(br.candidate_positions) for br in branches], [N])
 
 
-def _one_pass(compiled: CompiledRequest, branches: list[Branch], positions: torch.Tensor, next_pos: int, cut: int,
-              image_index: torch.Tensor, K: int) -> Plan:
-    """[prefix rows 0..cut | each branch's state tail + suffix, back to back | one pad sequence
-    rounding the packed part T up to a multiple of 8]."""
-    st = compiled.state
-    P = len(st.input_ids)
-    tail = P - cut
-    lengths = [tail + len(br.suffix_ids) for br in branches]
-    T = -(-sum(lengths) // 8) * 8
-    pad = T - sum(lengths)
-    pad_id = branches[0].suffix_ids[-1]
-    suffix_ids = [t for br in branches for t in br.suffix_ids] + [pad_id] * pad  # [S]
-    seq_lengths = lengths + ([pad] if pad else [])
-    # Row t takes its embedding from [state rows (P) | suffix tokens (S)].
-    source, pos_parts, starts, s_offset = list(range(cut)), [positions[:, :cut]], [], P
-    for br in branches:
-        starts.append(len(source))
-        source += list(range(cut, P)) + list(range(s_offset, s_offset + len(br.suffix_ids)))
-        s_offset += len(br.suffix_ids)
-        pos_parts += [positions[:, cut:], torch.arange(next_pos, next_pos + len(br.suffix_ids)).view(1, -1).expand(3, -1)]
-    source += list(range(s_offset, s_offset + pad))
-    pos_parts.append(torch.arange(next_pos, next_pos + pad).view(1, -1).expand(3, -1))
-    rows_pos = torch.cat(pos_parts, dim=1)[:, None, :]  # [3, 1, cut + T]
-    head_index, C = head_rows(branches, starts, cut)
+def plan_one_pass(requests: list[CompiledRequest], config: ModelConfig) -> Plan:
+    """The one-pass layout for one or several requests, swept through the layers together:
+    [each request's prefix, back to back | every branch's continuation of every request, packed |
+    one pad sequence rounding the packed part T up to a multiple of 8].
+
+    A request's prefix is its state's chunk-aligned part (cut, a multiple of 64); its branches
+    continue from it with the state tail and their suffix. A request whose state is under 64
+    tokens has no prefix: its branches run state + suffix from a zero state (as the batch layout
+    with cut 0 does). Rows take their embedding from [all states (sum P) | all suffixes (S)]."""
+    K = config.text_config.linear_conv_kernel_dim
+    state_ids, suffix_ids, image_index = [], [], []
+    prefix_sources, prefix_pos, cont_sources, cont_pos = [], [], [], []
+    groups, head_parts, cand_counts, branch_counts = [], [], [], []
+    state_offset = 0
+    for compiled in requests:
+        st = compiled.state
+        P = len(st.input_ids)
+        cut = (P // CHUNK) * CHUNK
+        cut = cut if cut >= K - 1 else 0
+        positions, next_pos = _rope(compiled, config)
+        branches = [br for q in compiled.questions for br in q.branches]
+        prefix_sources.append(torch.arange(state_offset, state_offset + cut))
+        prefix_pos.append(positions[:, :cut])
+        lengths = []
+        for br in branches:
+            n = len(br.suffix_ids)
+            lengths.append(P - cut + n)
+            # suffix tokens are numbered from 0 here and shifted past all states below
+            cont_sources += [torch.arange(state_offset + cut, state_offset + P), -1 - torch.arange(len(suffix_ids), len(suffix_ids) + n)]
+            cont_pos += [positions[:, cut:], torch.arange(next_pos, next_pos + n).view(1, -1).expand(3, -1)]
+            suffix_ids += br.suffix_ids
+        groups.append((cut, lengths))
+        head_parts.append((branches, cut))
+        cand_counts += [len(br.candidate_positions) for br in branches]
+        branch_counts.append(len(branches))
+        state_ids += st.input_ids
+        image_index.append(_image_index(compiled) + state_offset)
+        state_offset += P
+    n_state, total_cut = len(state_ids), sum(cut for cut, _ in groups)
+    packed = sum(sum(lengths) for _, lengths in groups)
+    T = -(-packed // 8) * 8
+    pad = T - packed
+    if pad:  # the pad sequence continues the last request (never read by the head)
+        last_cut, last_lengths = groups[-1]
+        groups[-1] = (last_cut, last_lengths + [pad])
+        cont_sources.append(-1 - torch.arange(len(suffix_ids), len(suffix_ids) + pad))
+        cont_pos.append(torch.arange(0, pad).view(1, -1).expand(3, -1))
+        suffix_ids += [requests[-1].questions[0].branches[0].suffix_ids[-1]] * pad
+    # Suffix token i sits at n_state + i of [states | suffixes]; it was written as -1 - i above.
+    cont = torch.cat(cont_sources)
+    source = torch.cat(prefix_sources + [torch.where(cont < 0, n_state - 1 - cont, cont)])  # [total_cut + T]
+    rows_pos = torch.cat(prefix_pos + cont_pos, dim=1)[:, None, :]  # [3, 1, total_cut + T]
+    # Head rows: each branch's first row (absolute position = its request's cut) in the packed part.
+    starts, firsts, k = [], [], total_cut
+    for (cut, lengths), (branches, _) in zip(groups, head_parts):
+        for n in lengths[: len(branches)]:
+            starts.append(k)
+            firsts.append(cut)
+            k += n
+    all_branches = [br for branches, _ in head_parts for br in branches]
+    head_index, C = head_rows(all_branches, starts, firsts)
+    seq_lengths = tuple(n for _, lengths in groups for n in lengths)
+    prefix_lengths = tuple(cut for cut, _ in groups)
+    image_index = torch.cat(image_index)
     # Every sequence length is part of the key: the varlen kernels' launch grids depend on them.
-    sizes = (P, cut, T, C, len(image_index), len(branches), tuple(seq_lengths))
-    parts = [torch.tensor([st.input_ids]), torch.tensor(suffix_ids, dtype=torch.int64), torch.tensor(source), rows_pos,
-             image_index, head_index, *one_pass_indices(cut, seq_lengths, K)]
-    return Plan("one-pass", parts, sizes, [len(br.candidate_positions) for br in branches])
+    sizes = (n_state, total_cut, T, C, len(image_index), len(all_branches), seq_lengths, prefix_lengths)
+    parts = [torch.tensor([state_ids]), torch.tensor(suffix_ids, dtype=torch.int64), source, rows_pos, image_index, head_index,
+             *packed_indices(groups, K)]
+    return Plan("one-pass", parts, sizes, cand_counts, branch_counts)
 
 
 def one_pass_indices(cut: int, seq_lengths: list[int], K: int) -> list[torch.Tensor]:
-    """The one-pass row's indices (`fast.model.OnePass`'s fields, int64) for a prefix of `cut` rows
-    followed by continuations of the given lengths, with a causal conv of K taps."""
-    T = sum(seq_lengths)
-    seq_ids = torch.cat([torch.full((cut,), -1)] + [torch.full((n,), i) for i, n in enumerate(seq_lengths)])  # [cut + T]
-    offsets = torch.cat([torch.arange(cut)] + [torch.arange(n) for n in seq_lengths])
-    # Conv tap j of row t reads [zeros (K-1) | row] at t + j: the prefix rows read zeros before
-    # their start; a continuation reads its own rows, or before its start the prefix's last rows
-    # (offset + j < K - 1 lands in the prefix, which ends at row cut).
-    cont_offsets, cont_rows = offsets[cut:], torch.arange(T)
-    cont_taps = torch.stack([torch.where(cont_offsets + j >= K - 1, cont_rows + j, cont_offsets + j) for j in range(K)])
-    taps = torch.cat([torch.stack([torch.arange(cut) + j for j in range(K)]), cont_taps + cut], dim=1)  # [K, cut + T]
-    cu_seqlens = torch.tensor([0] + list(itertools.accumulate(seq_lengths)))
-    chunk_indices = torch.tensor([[i, c] for i, n in enumerate(seq_lengths) for c in range(-(-n // CHUNK))]).view(-1, 2)
-    return [seq_ids, offsets, taps, cu_seqlens, chunk_indices, torch.arange(cut)]
+    """`packed_indices` for one request: a prefix of `cut` rows (0, or >= K-1) followed by
+    continuations of it; its first six fields (`OnePass.complete` derives the per-request ones)."""
+    return packed_indices([(cut, list(seq_lengths))], K)[:6]
 
 
-def head_rows(branches: list[Branch], starts: list[int], cut: int) -> tuple[torch.Tensor, int]:
-    """Head rows for branches whose first token (absolute position `cut`) sits at row starts[k]:
+def packed_indices(groups: list[tuple[int, list[int]]], K: int) -> list[torch.Tensor]:
+    """The one-pass rows' indices (`fast.model.OnePass`'s fields, int64) for groups (prefix rows,
+    continuation lengths): the prefixes lead back to back, then every group's continuations in
+    group order; a prefix of 0 rows means its continuations start from zero history. K: conv taps."""
+    assert all(cut == 0 or cut >= K - 1 for cut, _ in groups), "a prefix must hold a whole conv history"
+    # Every sequence once, in row order: (length, sequence id, owner, where its history ends).
+    # Prefix g is sequence -1 - g and reads zeros before its start; continuation n is sequence n
+    # and reads the last rows of its group's prefix (zeros without one: a history end of 0).
+    sequences, prefix_ends, row = [], [], 0
+    for g, (cut, _) in enumerate(groups):
+        sequences.append((cut, -1 - g, g, 0))
+        row += cut
+        prefix_ends.append(row)
+    total_cut, n = row, 0
+    initial_state_index, prefix_number = [], 0
+    for g, (cut, lengths) in enumerate(groups):
+        prefix_number += bool(cut)
+        for length in lengths:
+            sequences.append((length, n, g, prefix_ends[g] if cut else 0))
+            initial_state_index.append(prefix_number if cut else 0)
+            n += 1
+    # Per row (plain lists: torch.repeat_interleave costs milliseconds on the CPU at these sizes).
+    offsets = torch.tensor([o for s in sequences for o in range(s[0])], dtype=torch.int64)  # [R]
+    seq_ids, owners, history = (torch.tensor([s[i] for s in sequences for _ in range(s[0])], dtype=torch.int64) for i in (1, 2, 3))
+    R = len(offsets)
+    # Tap j of row t reads [zeros (K-1) | rows] at t + j: its own rows, or before its start the
+    # history's last rows (offset + j < K - 1 lands below the history's end, or in the zeros).
+    rows = torch.arange(R)
+    taps = torch.stack([torch.where(offsets + j >= K - 1, rows + j, history + offsets + j) for j in range(K)])  # [K, R]
+    cont_lengths = [length for _, lengths in groups for length in lengths]
+    prefix_lengths = [cut for cut, _ in groups if cut]
+    # Attention per request: its rows in order (prefix, then continuations), padded with -1 to the
+    # longest request's count L; slots: where each row lands in the flattened [m, L].
+    per_group = [torch.nonzero(owners == g).view(-1) for g in range(len(groups))]
+    L = max(len(r) for r in per_group)
+    attention_rows = torch.stack([torch.cat([r, torch.full((L - len(r),), -1)]) for r in per_group])  # [m, L]
+    slots = torch.empty(R, dtype=torch.int64)
+    for g, r in enumerate(per_group):
+        slots[r] = g * L + torch.arange(len(r))
+    return [
+        seq_ids, offsets, taps, _cu_seqlens(cont_lengths), _chunk_indices(cont_lengths),
+        torch.arange(total_cut), owners, _cu_seqlens(prefix_lengths), _chunk_indices(prefix_lengths),
+        torch.tensor(initial_state_index, dtype=torch.int64), attention_rows, slots,
+    ]
+
+
+def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int64)
+
+
+def _chunk_indices(lengths: list[int]) -> torch.Tensor:
+    """(sequence, chunk) of every 64-token delta-rule chunk, as FLA's varlen kernels take them: [NT, 2]."""
+    return torch.tensor([[i, c] for i, n in enumerate(lengths) for c in range(-(-n // CHUNK))], dtype=torch.int64).view(-1, 2)
+
+
+def head_rows(branches: list[Branch], starts: list[int], firsts: list[int]) -> tuple[torch.Tensor, int]:
+    """Head rows for branches whose first token (absolute position firsts[k]) sits at row starts[k]:
     [candidate rows (C) | decision rows (N) | branch of each candidate (C)] int64, and C."""
     cand_rows, cand_branch, dec_rows = [], [], []
-    for k, (br, start) in enumerate(zip(branches, starts)):
-        cand_rows += [start + p - cut for p in br.candidate_positions]
+    for k, (br, start, first) in enumerate(zip(branches, starts, firsts)):
+        cand_rows += [start + p - first for p in br.candidate_positions]
         cand_branch += [k] * len(br.candidate_positions)
-        dec_rows.append(start + br.decision_position - cut)
+        dec_rows.append(start + br.decision_position - first)
     return torch.tensor(cand_rows + dec_rows + cand_branch, dtype=torch.int64), len(cand_rows)

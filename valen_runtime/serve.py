@@ -10,9 +10,11 @@ accepting, answer every admitted request, exit 0.
 
 Threads: uvicorn's event loop reads and checks each request's headers and body; two parse
 threads turn bodies into canonical requests; one executor thread owns the Engine and runs
-requests one at a time in arrival order. At most `queue_size + 1` requests are admitted at once
-(their bodies being read, waiting, or running); one more is answered 503 before its body is read,
-which bounds memory to about (queue_size + 1) bodies of 8 MiB.
+requests in arrival order, up to `max_batch` of those already waiting at once (in one sweep of the
+layers where the engine batches: `Engine.run_many`; it never waits for more to arrive). At most
+`queue_size + 1` requests are admitted at once (their bodies being read, waiting, or running); one
+more is answered 503 before its body is read, which bounds memory to about (queue_size + 1)
+bodies of 8 MiB.
 """
 
 from __future__ import annotations
@@ -57,10 +59,16 @@ class Settings:
     queue_size: int = 32  # requests admitted beyond the one running
     request_timeout: float = 55.0  # seconds from admission to answer; the frontend gives up at 60 s
     read_timeout: float = 15.0  # seconds for a request's headers, and again for its body (as upstream)
+    max_batch: int = 8  # waiting requests the executor runs together (1: one at a time)
+    batch_wait: float = 0.0  # seconds an idle executor waits for more requests to join a batch
 
     def __post_init__(self):
-        if isinstance(self.queue_size, bool) or not isinstance(self.queue_size, int) or self.queue_size < 0:
-            raise ValueError(f"--queue-size must be an integer >= 0, got {self.queue_size!r}")
+        for name, least in (("queue_size", 0), ("max_batch", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
+        if not (math.isfinite(self.batch_wait) and 0 <= self.batch_wait <= 1):
+            raise ValueError(f"--batch-wait-ms must be between 0 and 1000, got {self.batch_wait * 1e3:g}")
         for name in ("request_timeout", "read_timeout"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -128,18 +136,39 @@ class Job:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
+    batch: int = 0  # how many requests ran together with this one, itself included
+
+
+def warmup_batches(requests: list[dict], max_batch: int) -> list[list[dict]]:
+    """Groups of the full warmup's requests run together after them, so the CUDA fast path has
+    compiled the combined one-pass sweep's variants (requests without a prefix only, several
+    prefixes, a mix with images) before the first client: basic warmups (two requests) have none."""
+    if max_batch < 2 or len(requests) <= 2:
+        return []
+    # warmup_requests(True): [basic (2) | short, short, short, short, long, long, long, long | images (4)]
+    return [requests[2:4], requests[6:10][:max_batch], [requests[2], requests[8], *requests[10:12]][:max_batch]]
 
 
 class Executor:
-    """One thread owns the Engine: it loads it, warms it up, then runs jobs in arrival order.
+    """One thread owns the Engine: it loads it, warms it up, then runs jobs in arrival order, up to
+    `max_batch` of those already queued together (`Engine.prepare_many` / `launch` / `collect`: one
+    sweep where the engine batches; a request that fails fails alone). On CUDA the next batch's
+    host work overlaps the device work of the one before it.
 
     A job whose future was cancelled before it started (its client's timeout passed) is skipped.
     Jobs are admitted by the HTTP side, which bounds how many wait.
     """
 
-    def __init__(self, load: Callable[[], object], warmup: list[dict]):
+    def __init__(self, load: Callable[[], object], warmup: list[dict], max_batch: int = Settings.max_batch,
+                 pipelined: bool | None = None, batch_wait: float = Settings.batch_wait):
+        """pipelined: overlap the next batch's host work with the one in flight (None: on CUDA).
+        batch_wait: seconds an idle executor, woken by one request, waits for more to join it."""
         self._load = load
         self._warmup = warmup
+        self.max_batch = max_batch
+        self.batch_wait = batch_wait
+        self.pipelined = pipelined
+        self.batches_run = 0  # executor sweeps with more than one request
         self._jobs: "queue.SimpleQueue[Job | None]" = queue.SimpleQueue()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="valen-executor", daemon=True)
@@ -172,24 +201,93 @@ class Executor:
         try:
             t0 = time.perf_counter()
             engine = self._load()
-            self.engine_info = {"mode": engine.mode, "layout": "one-pass where a prefix is shared" if engine.one_pass else "batch", "kernels": dict(engine.kernels), "cuda_graphs": engine.graphs is not None}
+            batches = engine.batches and self.max_batch > 1
+            self.engine_info = {"mode": engine.mode, "layout": "one-pass where a prefix is shared" if engine.one_pass else "batch",
+                                "kernels": dict(engine.kernels), "cuda_graphs": engine.graphs is not None,
+                                "max_batch": self.max_batch if batches else 1}
             t1 = time.perf_counter()
             for request in self._warmup:
                 engine.run(request)
+            for group in warmup_batches(self._warmup, self.max_batch) if batches else []:
+                for result in engine.run_many(group):
+                    if isinstance(result, Exception):
+                        raise result
             self.timings = {"load_s": t1 - t0, "warmup_s": time.perf_counter() - t1}
         except BaseException as exc:  # handed to start(), which raises it in the main thread
             self.error = exc
             return
         finally:
             self._ready.set()
-        while (job := self._jobs.get()) is not None:
-            if not job.future.set_running_or_notify_cancel():
-                continue  # abandoned while it waited
-            job.started_at = time.perf_counter()
+        # An engine that does not batch runs requests one at a time, so each starts (and can still be
+        # abandoned) on its own.
+        take = self.max_batch if batches else 1
+        # On CUDA, pipelined: the next jobs' host work (decoding, tokenizing, planning; their vision
+        # towers queue behind the device work in flight) runs before the jobs in flight are
+        # collected. On the CPU the device work is the executor's own, so nothing would overlap.
+        pipelined = self.pipelined if self.pipelined is not None else engine.model.device.type == "cuda"
+        in_flight, stopping = None, False
+        while True:
+            jobs = [] if stopping else self._take(take, block=in_flight is None)
+            if jobs and jobs[-1] is None:
+                jobs, stopping = jobs[:-1], True  # run what came before the stop, then end
+            jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]  # skip the abandoned
+            prepared = self._prepare(engine, jobs) if jobs else None
+            if in_flight is not None:
+                self._collect(engine, *in_flight)
+            in_flight = (jobs, engine.launch(prepared)) if prepared is not None else None
+            if in_flight is not None and not pipelined:
+                self._collect(engine, *in_flight)
+                in_flight = None
+            if in_flight is None and stopping:
+                return
+
+    def _take(self, most: int, block: bool) -> list:
+        """Up to `most` queued jobs, waiting for the first only when `block` (and then up to
+        batch_wait for more); a None (stop) ends the list."""
+        jobs, deadline = [], None
+        while len(jobs) < most:
             try:
-                job.future.set_result(engine.run(job.request))
-            except BaseException as exc:
-                job.future.set_exception(exc)
+                if block and not jobs:
+                    job = self._jobs.get()
+                    deadline = time.perf_counter() + self.batch_wait
+                elif deadline is not None and (left := deadline - time.perf_counter()) > 0:
+                    job = self._jobs.get(timeout=left)
+                else:
+                    job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            jobs.append(job)
+            if job is None:
+                break
+        return jobs
+
+    def _prepare(self, engine, jobs: list[Job]):
+        started = time.perf_counter()
+        for job in jobs:
+            job.started_at, job.batch = started, len(jobs)
+        self.batches_run += len(jobs) > 1
+        try:
+            return engine.prepare_many([job.request for job in jobs])
+        except BaseException as exc:  # not a request's own failure (prepare_many keeps those): all fail
+            self._fail(jobs, exc)
+            return None
+
+    def _collect(self, engine, jobs: list[Job], batch) -> None:
+        try:
+            results = engine.collect(batch)
+        except BaseException as exc:
+            self._fail(jobs, exc)
+            return
+        for job, result in zip(jobs, results):
+            if isinstance(result, BaseException):
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)
+
+    @staticmethod
+    def _fail(jobs: list[Job], exc: BaseException) -> None:
+        for job in jobs:
+            job.future.set_exception(exc)
 
 
 # ---------------------------------------------------------------- the HTTP application
@@ -285,7 +383,7 @@ class WorkerApp:
         if self.draining():
             raise _Answer(503, "shutting down")
         if self.admitted >= self.capacity:
-            raise _Answer(503, f"worker busy: {self.capacity} requests admitted (1 running, --queue-size {self.settings.queue_size} waiting)")
+            raise _Answer(503, f"worker busy: {self.capacity} requests admitted (--queue-size {self.settings.queue_size} + 1)")
         self.admitted += 1
         try:
             return await self._admitted(receive, length, record, started)
@@ -308,6 +406,7 @@ class WorkerApp:
         except asyncio.TimeoutError:
             raise _Answer(503, f"not answered within {self.settings.request_timeout:g} s (--request-timeout); the worker is overloaded") from None
         except RequestError as exc:
+            record["batch"] = job.batch  # it failed alone; its batch-mates went on
             raise _Answer(http_status(exc), str(exc)) from None
         except Exception as exc:
             record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -316,6 +415,7 @@ class WorkerApp:
         record.update(
             input_tokens=response["usage"]["input_tokens"], compute_tokens=response["internal_usage"]["compute_tokens"],
             queue_ms=round((job.started_at - job.queued_at) * 1e3, 3), run_ms=round((time.perf_counter() - job.started_at) * 1e3, 3),
+            batch=job.batch,
         )
         return response_body(response)
 
@@ -530,8 +630,8 @@ def _stop_on_signal_before_ready():
             signal.signal(sig, handler)
 
 
-def _start(export_dir, host, port, device, dtype, mode, temperature, calibration, queue_size, request_timeout, read_timeout,
-           threads, warmup, compile_, graphs) -> tuple[Executor, Settings, str, socket.socket]:
+def _start(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration, queue_size, max_batch, batch_wait_ms,
+           request_timeout, read_timeout, threads, warmup, compile_, graphs) -> tuple[Executor, Settings, str, socket.socket]:
     """Check the options, bind the port, load and warm up: (executor, settings, device, socket)."""
     import torch
 
@@ -539,11 +639,12 @@ def _start(export_dir, host, port, device, dtype, mode, temperature, calibration
     from .engine import Engine
     from .options import EngineOptions
 
-    settings = Settings(queue_size=queue_size, request_timeout=request_timeout, read_timeout=read_timeout)
+    settings = Settings(queue_size=queue_size, request_timeout=request_timeout, read_timeout=read_timeout, max_batch=max_batch,
+                        batch_wait=batch_wait_ms / 1e3)
     if temperature is not None and calibration is not None:
         raise ValenError("--temperature and --calibration are mutually exclusive")
     temp = load_temperature(calibration) if calibration is not None else (1.0 if temperature is None else temperature)
-    options = EngineOptions(device=device, dtype=dtype, mode=mode, compile=compile_, graphs=graphs)  # checked before binding
+    options = EngineOptions(device=device, dtype=dtype, mode=mode, kernels=kernels, compile=compile_, graphs=graphs)  # checked before binding
     dev = options.device
     if threads is not None:
         torch.set_num_threads(threads)
@@ -553,7 +654,7 @@ def _start(export_dir, host, port, device, dtype, mode, temperature, calibration
         return Engine.load(export_dir, options, verify="full", temperature=temp)
 
     full = warmup == "full" or (warmup == "auto" and dev.startswith("cuda"))
-    executor = Executor(load, warmup_requests(full))
+    executor = Executor(load, warmup_requests(full), settings.max_batch, batch_wait=settings.batch_wait)
     log.info({"event": "loading", "export": str(export_dir), "device": dev, "dtype": dtype, "warmup": "full" if full else "basic"})
     executor.start()
     return executor, settings, dev, sock
@@ -566,16 +667,20 @@ def _start(export_dir, host, port, device, dtype, mode, temperature, calibration
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
 @click.option("--mode", type=click.Choice(["per-branch", "shared-prefix"]), default=None, help="Execution mode (default: shared-prefix on CUDA, per-branch on CPU).")
+@click.option("--kernels", type=click.Choice(["torch", "fast"]), default=None, help="The reference modules or the fast path (default: fast for shared-prefix on CUDA).")
 @click.option("--temperature", type=float, default=None, help="Softmax temperature (default 1.0).")
 @click.option("--calibration", type=click.Path(path_type=Path), default=None, help="Calibration JSON with a scalar 'temperature'.")
 @click.option("--queue-size", default=Settings.queue_size, show_default=True, type=int, help="Requests admitted beyond the one running; one more is answered 503.")
+@click.option("--max-batch", default=Settings.max_batch, show_default=True, type=int, help="Up to this many waiting requests run in one sweep of the layers (the fast path's shared-prefix mode; never waits for more); 1: one at a time.")
+@click.option("--batch-wait-ms", default=0.0, show_default=True, type=float, help="How long an idle executor woken by one request waits for more to join its batch (0: never waits).")
 @click.option("--request-timeout", default=Settings.request_timeout, show_default=True, type=float, help="Seconds from admission to answer; past it 503.")
 @click.option("--read-timeout", default=Settings.read_timeout, show_default=True, type=float, help="Seconds for a request's headers, and for its body; past it 408.")
 @click.option("--threads", type=click.IntRange(1, None), default=None, help="torch CPU threads (default: torch's, one per core); 1 keeps a busy shared machine from stalling the model's parallel loops.")
 @click.option("--warmup", type=click.Choice(["auto", "basic", "full"]), default="auto", show_default=True, help="basic: one text and one image request; full: every shape family the CUDA fast path compiles (auto: full on CUDA).")
 @click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile the CUDA fast path (default: on for CUDA).")
 @click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=None, help="Capture CUDA graphs (default: on for CUDA).")
-def main(export_dir, host, port, device, dtype, mode, temperature, calibration, queue_size, request_timeout, read_timeout, threads, warmup, compile_, graphs) -> None:
+def main(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration, queue_size, max_batch, batch_wait_ms, request_timeout,
+         read_timeout, threads, warmup, compile_, graphs) -> None:
     """Serve an export as a System1-Omni worker: POST /v1/systemone, GET /health.
 
     \b
@@ -586,8 +691,9 @@ def main(export_dir, host, port, device, dtype, mode, temperature, calibration, 
     _configure_logging()
     try:
         with _stop_on_signal_before_ready():
-            executor, settings, dev, sock = _start(export_dir, host, port, device, dtype, mode, temperature, calibration,
-                                                   queue_size, request_timeout, read_timeout, threads, warmup, compile_, graphs)
+            executor, settings, dev, sock = _start(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration,
+                                                   queue_size, max_batch, batch_wait_ms, request_timeout, read_timeout, threads, warmup,
+                                                   compile_, graphs)
     except (ValenError, ValueError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -608,7 +714,7 @@ def main(export_dir, host, port, device, dtype, mode, temperature, calibration, 
     log.info({"event": "ready", "url": f"http://{url_host}:{bound_port}", "port": bound_port, "device": dev,
               "device_name": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else (platform.processor() or platform.machine()),
               "dtype": dtype, "torch_threads": torch.get_num_threads(), **executor.engine_info, **{k: round(v, 3) for k, v in executor.timings.items()},
-              "queue_size": settings.queue_size, "request_timeout_s": settings.request_timeout, "read_timeout_s": settings.read_timeout,
+              "queue_size": settings.queue_size, "batch_wait_ms": settings.batch_wait * 1e3, "request_timeout_s": settings.request_timeout, "read_timeout_s": settings.read_timeout,
               "versions": {"python": platform.python_version(), "torch": torch.__version__, "uvicorn": uvicorn.__version__}})
     server.run(sockets=[sock])
     executor.stop()

@@ -36,3 +36,43 @@ def long_image_request() -> dict:
     text = " ".join(["the order was charged twice and the customer asked for a refund"] * 8)
     state = {"messages": [{"role": "user", "content": [{"type": "image", "image": png_data_url(96, 64)}, {"type": "text", "text": text}]}]}
     return {"model": "valen-preview-0923", "state": state, "questions": QUESTIONS}
+
+
+@pytest.fixture(scope="session")
+def batch_requests(short_request, long_image_request) -> list[dict]:
+    """A mix for batched runs: an image with a long text (a prefix), a short text (none), a long
+    text (two 64-token chunks of prefix), an image alone with one question (one branch)."""
+    long_text = " ".join(["a second and much longer account of the same order and of its two charges"] * 10)
+    image_only = {"model": "valen-preview-0923", "state": {"image": png_data_url(64, 48)}, "questions": {"q": QUESTIONS["q"]}}
+    return [long_image_request, short_request, dict(short_request, state=long_text), image_only]
+
+
+def answer_probabilities(response: dict) -> list[float]:
+    """Every probability a response states, flattened in order (a noul answer states p(true))."""
+    out = []
+    for answer in response["answers"].values():
+        out += list(answer["probabilities"].values()) if "probabilities" in answer else [answer["noul"]]
+    return out
+
+
+@pytest.fixture(scope="session")
+def assert_truth_relative():
+    """check(got, truth, reference, requests, device): every probability of the responses `got`
+    (one per request) within the parity gate's truth-relative bound a * E + b of the fp32 truth
+    engine's answer (manifests/tolerances.json: separate LoRA, bf16, shared-prefix), E the bf16
+    reference-shaped engine's largest probability error against that truth on the same requests."""
+    from parity.tolerances import load, select
+
+    def check(got: list[dict], truth, reference, requests: list[dict], device: str) -> None:
+        gate = select(load(), "separate", "bf16", device, "shared-prefix")
+        truths = [answer_probabilities(truth.run(request).response) for request in requests]
+        E = max(abs(r - t) for request, tq in zip(requests, truths)
+                for r, t in zip(answer_probabilities(reference.run(request).response), tq))
+        bound = gate["a"] * E + gate["b"]
+        for response, tq in zip(got, truths):
+            gq = answer_probabilities(response)
+            assert len(gq) == len(tq)
+            worst = max(abs(g - t) for g, t in zip(gq, tq))
+            assert worst <= bound, (worst, bound, E)
+
+    return check

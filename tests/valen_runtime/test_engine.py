@@ -222,6 +222,22 @@ def test_compiled_one_pass_cpu(tiny_export, long_image_request, roundoff_bound):
     assert max_diff(reference.run(long_image_request).logits, compiled.run(long_image_request).logits) <= bound
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
+def test_compiled_batches_cpu(tiny_export, batch_requests, roundoff_bound):
+    """Combined sweeps through torch.compile (inductor C++), fp32, in the compositions whose compiled
+    variants differ (a mix; only requests without a prefix; several prefixes), each request against
+    the reference modules' engine run alone: fp32 round-off only."""
+    options = dict(device="cpu", dtype="fp32", mode="shared-prefix")
+    reference = Engine.load(tiny_export["separate"], EngineOptions(**options))
+    compiled = Engine.load(tiny_export["separate"], EngineOptions(**options, kernels="fast", compile=True))
+    image, short, long_text, image_only = batch_requests
+    for group in (batch_requests, [short, dict(short, state="Two charges, one order.")], [image, long_text], [long_text, image_only, image]):
+        for request, got in zip(group, compiled.run_many(group)):
+            bound = engine_fp32_bound(roundoff_bound, reference, request)
+            assert got.timings["batch"] == len(group) and max_diff(reference.run(request).logits, got.logits) <= bound
+
+
 gpu = pytest.mark.gpu
 
 
@@ -266,6 +282,46 @@ def test_graph_replay_is_bitwise_equal_to_direct_execution(tiny_export, short_re
     graphed.run(short_request)
     graphed.run(long_image_request)
     assert len(graphed.graphs) == captured  # the same shapes replay, nothing new is captured
+
+
+@gpu
+def test_batched_one_pass_on_cuda_is_as_accurate_as_each_alone(tiny_export, batch_requests, assert_truth_relative):
+    """The CUDA default (bf16, compiled, CUDA graphs, FLA's varlen rule) sweeping four different
+    requests together: every answer within the parity gate's truth-relative bound of per-branch
+    fp32, as each request run alone is; replaying the combined graph is bitwise the captured run."""
+    from valen_runtime.fast.kernels import fla_available
+
+    if not fla_available():
+        pytest.skip("flash-linear-attention not importable: CUDA runs the batch layout, which does not batch requests")
+    export = tiny_export["separate"]
+    fast = Engine.load(export, EngineOptions(device="cuda", dtype="bf16"))
+    assert fast.batches and fast.graphs is not None and fast.fast.compiled and fast.kernels["gated_delta"].startswith("fla")
+    runs = [fast.run_many(batch_requests) for _ in range(3)]  # capture on the first, replays after
+    assert all(r.timings["batch"] == len(batch_requests) for r in runs[-1])
+    for a, b in zip(runs[1], runs[2]):
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    alone = [fast.run(r) for r in batch_requests]
+    truth = Engine.load(export, EngineOptions(device="cuda", dtype="fp32", mode="per-branch"))
+    reference = Engine.load(export, EngineOptions(device="cuda", dtype="bf16", mode="per-branch"))
+    assert_truth_relative([r.response for r in runs[-1]], truth, reference, batch_requests, "cuda")
+    assert_truth_relative([r.response for r in alone], truth, reference, batch_requests, "cuda")
+    # Two different images of one grid: the graphed tower answers in one buffer, which each request
+    # of a batch must have copied before the next image replays it.
+    same_grid = [dict(batch_requests[3], state={"image": solid_png_data_url(64, 48, colour)}) for colour in ("red", "navy")]
+    together = fast.run_many(same_grid)
+    assert together[0].response["answers"] != together[1].response["answers"]
+    assert_truth_relative([r.response for r in together], truth, reference, same_grid, "cuda")
+
+
+def solid_png_data_url(width: int, height: int, colour: str) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), colour).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 @pytest.mark.parametrize("device, phrase", [
@@ -341,3 +397,63 @@ def test_run_answers_match_an_independent_computation(tiny_export, lora, dtype):
         for field in ("choice", "score", "confidence"):
             if field in expected:
                 assert answer[field] == pytest.approx(expected[field], abs=1e-15), (question.qid, field)
+
+
+# ---- several requests in one sweep (run_many)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_batched_requests_answer_as_each_alone_cpu(tiny_export, batch_requests, dtype, roundoff_bound, assert_truth_relative):
+    """run_many sweeps four different requests (image + long text, short text, long text, image
+    alone) through the layers together; each one's logits are its own function, so they match
+    the request run alone up to rounding: fp32 within the per-branch engine's own round-off at that
+    request (engine_fp32_bound), bf16 (GEMM shapes change with the batch) within the parity gate's
+    truth-relative bound of per-branch fp32, like the request alone."""
+    export = tiny_export["separate"]
+    fast = Engine.load(export, EngineOptions(device="cpu", dtype=dtype, mode="shared-prefix", kernels="fast"))
+    assert fast.batches
+    batched = fast.run_many(batch_requests)
+    assert [r.timings["batch"] for r in batched] == [len(batch_requests)] * len(batch_requests)
+    alone = [fast.run(r) for r in batch_requests]
+    for got, want in zip(batched, alone):
+        assert got.response["usage"] == want.response["usage"] and list(got.response["answers"]) == list(want.response["answers"])
+    if dtype == "fp32":
+        per_branch = Engine.load(export, EngineOptions(device="cpu", dtype="fp32", mode="per-branch"))
+        for request, got, want in zip(batch_requests, batched, alone):
+            assert max_diff(got.logits, want.logits) <= engine_fp32_bound(roundoff_bound, per_branch, request)
+        return
+    truth = Engine.load(export, EngineOptions(device="cpu", dtype="fp32", mode="per-branch"))
+    reference = Engine.load(export, EngineOptions(device="cpu", dtype="bf16", mode="per-branch"))
+    assert_truth_relative([r.response for r in batched], truth, reference, batch_requests, "cpu")
+
+
+def test_run_many_of_one_request_is_run(tiny_export, long_image_request, short_request):
+    """m = 1 is the single-request path: bitwise the same logits, whatever the layout."""
+    fast = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="bf16", mode="shared-prefix", kernels="fast"))
+    for request in (long_image_request, short_request):
+        (got,) = fast.run_many([request])
+        want = fast.run(request)
+        assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits)) and got.response == want.response
+
+
+def test_a_bad_request_fails_alone_in_a_batch(tiny_export, batch_requests):
+    """A request that does not compile comes back as its own RequestError; its batch-mates are
+    answered as a batch without it."""
+    from valen_runtime.errors import RequestError
+
+    fast = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast"))
+    bad = dict(batch_requests[1], state="  ")
+    results = fast.run_many([batch_requests[0], bad, batch_requests[2]])
+    assert isinstance(results[1], RequestError) and "state" in str(results[1])
+    assert [r.timings["batch"] for r in (results[0], results[2])] == [2, 2]
+    for request, got in zip((batch_requests[0], batch_requests[2]), (results[0], results[2])):
+        assert got.response["usage"] == fast.run(request).response["usage"]
+
+
+def test_the_reference_engines_run_a_batch_one_by_one(tiny_export, batch_requests):
+    """Where the engine does not batch (per-branch, or the reference modules), run_many is run per request: bitwise."""
+    for mode, kernels in (("per-branch", "torch"), ("shared-prefix", "torch")):
+        engine = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode=mode, kernels=kernels))
+        assert not engine.batches
+        for request, got in zip(batch_requests[:2], engine.run_many(batch_requests[:2])):
+            assert all(torch.equal(a, b) for a, b in zip(got.logits, engine.run(request).logits))

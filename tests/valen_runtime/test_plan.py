@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from valen_runtime.config import ModelConfig
-from valen_runtime.plan import CHUNK, plan_shared_prefix
+from valen_runtime.plan import CHUNK, Plan, packed_indices, plan_one_pass, plan_shared_prefix
 from valen_runtime.positions import rope_index
 from valen_runtime.request import Compiler
 
@@ -37,7 +37,6 @@ def branch_sequences(compiled, config):
 
 def assert_head_rows_read_the_readout_tokens(plan, compiled, config, row_ids, row_pos):
     """row_ids [R] / row_pos [3, R]: what each row of the flattened hidden states holds."""
-    P, cut = plan.sizes[:2]
     head = plan.parts[5]
     branches = branch_sequences(compiled, config)
     C, N = sum(plan.candidates_per_branch), len(branches)
@@ -71,9 +70,9 @@ def test_one_pass_layout_rows(setup, long_image_request):
     compiler, config = setup
     compiled = compiler.compile(long_image_request)
     plan = plan_shared_prefix(compiled, config, one_pass=True)
-    state_ids, suffix_ids, source, rows_pos, _, _, seq_ids, offsets, taps, cu_seqlens, chunk_indices, prefix_rows = plan.parts
-    P, cut, T, C, n_img, N, seq_lengths = plan.sizes
-    assert plan.kind == "one-pass" and cut > 0 and T % 8 == 0 and sum(seq_lengths) == T
+    state_ids, suffix_ids, source, rows_pos, _, _, seq_ids, offsets, taps, cu_seqlens, chunk_indices, prefix_rows, *per_request = plan.parts
+    P, cut, T, C, n_img, N, seq_lengths, prefix_lengths = plan.sizes
+    assert plan.kind == "one-pass" and cut > 0 and T % 8 == 0 and sum(seq_lengths) == T and prefix_lengths == (cut,)
     assert len(prefix_rows) == cut and rows_pos.shape == (3, 1, cut + T) and taps.shape[1] == cut + T
     assert cu_seqlens.tolist()[-1] == T and len(seq_lengths) in (N, N + 1)  # one pad sequence at most
     row_ids = torch.cat([state_ids[0], suffix_ids])[source].tolist()  # the token of every row
@@ -82,6 +81,96 @@ def test_one_pass_layout_rows(setup, long_image_request):
     # Every 64-token chunk of every continuation, in order.
     assert chunk_indices.tolist() == [[i, c] for i, n in enumerate(seq_lengths) for c in range(-(-n // CHUNK))]
     assert offsets[cut:].tolist() == [o for n in seq_lengths for o in range(n)]
+    # One request: every row its own, one prefix, every continuation from that prefix's state.
+    owners, prefix_cu, prefix_chunks, initial, attention_rows, slots = per_request
+    assert (owners == 0).all() and prefix_cu.tolist() == [0, cut] and initial.tolist() == [1] * len(seq_lengths)
+    assert attention_rows.tolist() == [list(range(cut + T))] and slots.tolist() == list(range(cut + T))  # attention over the whole row
+    assert prefix_chunks.tolist() == [[0, c] for c in range(cut // CHUNK)]
+
+
+def expected_conv_taps(groups, K: int) -> torch.Tensor:
+    """[K, R] written row by row: tap j of a row at offset o of its sequence reads input o - (K-1) + j
+    of that sequence; before its start, a continuation reads its prefix's last rows (zeros without
+    one) and a prefix reads zeros. Index i of [zeros (K-1) | rows] is row i - (K-1)."""
+    rows_of_prefix, row = [], 0
+    for cut, _ in groups:
+        rows_of_prefix.append(list(range(row, row + cut)))
+        row += cut
+    columns = []
+    for prefix in rows_of_prefix:
+        for o in range(len(prefix)):
+            columns.append([K - 1 + prefix[o - (K - 1) + j] if o - (K - 1) + j >= 0 else "zero" for j in range(K)])
+    for g, (cut, lengths) in enumerate(groups):
+        for n in lengths:
+            own = list(range(row, row + n))
+            history = rows_of_prefix[g]
+            for o in range(n):
+                col = []
+                for j in range(K):
+                    i = o - (K - 1) + j
+                    col.append(K - 1 + own[i] if i >= 0 else (K - 1 + history[i] if history else "zero"))
+                columns.append(col)
+            row += n
+    return columns
+
+
+def test_packed_indices_for_several_requests():
+    """Three requests (prefix 64 / none / 128) and their continuations: sequences, owners, conv taps,
+    the prefixes' and continuations' boundaries and chunks, each continuation's initial state."""
+    K = 4
+    groups = [(64, [5, 70]), (0, [3, 1]), (128, [2])]
+    seq_ids, offsets, taps, cu, chunks, prefix_rows, owners, prefix_cu, prefix_chunks, initial, attention_rows, slots = packed_indices(groups, K)
+    R = 64 + 128 + 5 + 70 + 3 + 1 + 2
+    assert taps.shape == (K, R) and len(prefix_rows) == 192
+    assert seq_ids.tolist() == [-1] * 64 + [-3] * 128 + [0] * 5 + [1] * 70 + [2] * 3 + [3] + [4] * 2
+    assert owners.tolist() == [0] * 64 + [2] * 128 + [0] * 75 + [1] * 4 + [2] * 2
+    assert offsets.tolist() == list(range(64)) + list(range(128)) + [o for n in (5, 70, 3, 1, 2) for o in range(n)]
+    assert cu.tolist() == [0, 5, 75, 78, 79, 81] and prefix_cu.tolist() == [0, 64, 192]
+    assert chunks.tolist() == [[0, 0], [1, 0], [1, 1], [2, 0], [3, 0], [4, 0]]
+    assert prefix_chunks.tolist() == [[0, 0], [1, 0], [1, 1]]
+    assert initial.tolist() == [1, 1, 0, 0, 2]  # prefix 1 (request 0), zero state (request 1), prefix 2 (request 2)
+    # Attention per request: its prefix rows, then its continuations' rows, padded with -1 to the longest (139 rows).
+    own = [list(range(0, 64)) + list(range(192, 267)), list(range(267, 271)), list(range(64, 192)) + list(range(271, 273))]
+    assert attention_rows.tolist() == [rows + [-1] * (139 - len(rows)) for rows in own]
+    assert all(slots[r].item() == g * 139 + i for g, rows in enumerate(own) for i, r in enumerate(rows)) and len(slots) == R
+    for r, col in enumerate(expected_conv_taps(groups, K)):
+        for j, want in enumerate(col):
+            got = taps[j, r].item()
+            assert (got < K - 1) if want == "zero" else got == want, (r, j, got, want)
+
+
+def test_several_requests_in_one_plan(setup, long_image_request, short_request):
+    """Each request's rows (tokens and M-RoPE positions) and head rows in a combined plan, as in its
+    own plan; a short state joins with no prefix."""
+    compiler, config = setup
+    text_long = dict(short_request, state=" ".join(["a second and much longer account of the same order"] * 9))
+    requests = [compiler.compile(r) for r in (long_image_request, short_request, text_long)]
+    plan = plan_one_pass(requests, config)
+    state_ids, suffix_ids, source, rows_pos, image_index, head, *layout = plan.parts
+    P, cut, T, C, n_img, N, seq_lengths, prefix_lengths = plan.sizes
+    cuts = [(len(c.state.input_ids) // CHUNK) * CHUNK for c in requests]
+    assert prefix_lengths == (cuts[0], 0, cuts[2]) and cuts[0] > 0 and cuts[2] > 0 and cut == cuts[0] + cuts[2]
+    assert P == sum(len(c.state.input_ids) for c in requests) and T % 8 == 0 and sum(seq_lengths) == T
+    assert plan.branches_per_request == [sum(len(q.branches) for q in c.questions) for c in requests]
+    types = [t for c in requests for t in c.state.mm_token_type_ids]  # image features land on the image tokens of [all states]
+    assert n_img == len(image_index) > 0 and image_index.tolist() == [i for i, t in enumerate(types) if t == 1]
+    row_ids = torch.cat([state_ids[0], suffix_ids])[source].tolist()
+    # The combined head rows, request by request, as each request's own plan would read them.
+    k_cand, k_branch = 0, 0
+    for compiled, n_branches in zip(requests, plan.branches_per_request):
+        n_cand = sum(len(br.candidate_positions) for q in compiled.questions for br in q.branches)
+        own = torch.cat([head[k_cand : k_cand + n_cand], head[C + k_branch : C + k_branch + n_branches],
+                         head[C + N + k_cand : C + N + k_cand + n_cand] - k_branch])
+        sub = Plan("one-pass", [None] * 5 + [own], (None, 0), [len(br.candidate_positions) for q in compiled.questions for br in q.branches], [n_branches])
+        assert_head_rows_read_the_readout_tokens(sub, compiled, config, row_ids, rows_pos[:, 0])
+        k_cand, k_branch = k_cand + n_cand, k_branch + n_branches
+    # The prefixes lead, each its own request's first `cut` tokens and positions.
+    row = 0
+    for compiled, c in zip(requests, prefix_lengths):
+        full_pos, _ = rope_index(compiled.state.input_ids, compiled.state.mm_token_type_ids, compiled.state.image_grid_thw,
+                                 config.vision_config.spatial_merge_size)
+        assert row_ids[row : row + c] == compiled.state.input_ids[:c] and torch.equal(rows_pos[:, 0, row : row + c], full_pos[:, :c])
+        row += c
 
 
 def test_a_state_without_a_chunk_aligned_prefix_runs_the_batch_layout(setup, short_request):

@@ -557,6 +557,60 @@ def test_internal_failure_is_500_and_a_late_answer_is_503(tiny_export, tmp_path,
         assert server.stop() == 0
 
 
+# ---------------------------------------------------------------- batching (--max-batch)
+
+
+@pytest.fixture(scope="module")
+def batching_worker(tiny_export, tmp_path_factory):
+    """The fast path's shared-prefix mode on the CPU, where the executor sweeps waiting requests together."""
+    server = Worker(tiny_export["separate"], tmp_path_factory.mktemp("serve-batch"), "--mode", "shared-prefix", "--kernels", "fast",
+                    "--max-batch", "8", "--request-timeout", "120")
+    yield server
+    assert server.stop() == 0
+
+
+def test_waiting_requests_run_in_one_sweep_and_a_bad_one_fails_alone(batching_worker, tiny_export, batch_requests, assert_truth_relative):
+    """While a long request runs, five arrive: four different good ones and one whose image does not
+    decode (it passes the wire checks; the engine's compile refuses it). They run as one batch: the
+    bad one gets its own 422, the others 200 with answers within the parity gate's truth-relative
+    bound (batch-mates change rounding only, docs/runtime.md)."""
+    from valen_runtime.engine import Engine
+    from valen_runtime.options import EngineOptions
+
+    port = batching_worker.port
+    ready = batching_worker.wait_for(lambda ln: ln.get("event") == "ready")
+    assert ready["max_batch"] == 8 and ready["layout"] == "one-pass where a prefix is shared"
+    # The longest state and eight long questions: about 8,000 rows in one sweep (on 2 CPU cores about a second).
+    heavy = text_request(HEAVY_STATE, {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true? " + "Weigh every line of the account. " * 60}
+                                       for i in range(8)})
+    bad = {"model": MODEL, "state": {"image": "data:image/png;base64,iVBORw0KGgoAAAAA"}, "questions": MIXED}
+    mates = [*batch_requests, bad]
+    with concurrent.futures.ThreadPoolExecutor(len(mates) + 1) as pool:
+        first = pool.submit(post, port, heavy, {"X-Request-Id": "batch-heavy"})
+        time.sleep(0.2)  # parsed and running by now, so the next ones queue behind it and run together
+        futures = [pool.submit(post, port, r, {"X-Request-Id": f"batch-{i}"}) for i, r in enumerate(mates)]
+        answers = [f.result() for f in futures]
+        assert first.result()[0] == 200
+    assert answers[-1][0] == 422 and answers[-1][1]["detail"].startswith("state.image:"), answers[-1]
+    assert all(status == 200 for status, _, _ in answers[:-1]), [a[:2] for a in answers]
+    lines = [batching_worker.wait_for(lambda ln, i=i: ln.get("id") == f"batch-{i}") for i in range(len(mates))]
+    assert batching_worker.wait_for(lambda ln: ln.get("id") == "batch-heavy")["batch"] == 1
+    assert [ln["batch"] for ln in lines] == [len(mates)] * len(mates), lines  # one sweep, the bad one included
+    truth = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="per-branch"))
+    reference = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="bf16", mode="per-branch"))
+    assert_truth_relative([body for _, body, _ in answers[:-1]], truth, reference, batch_requests, "cpu")
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--max-batch", "0", "error: --max-batch must be an integer >= 1, got 0"),
+    ("--batch-wait-ms", "1500", "error: --batch-wait-ms must be between 0 and 1000, got 1500"),
+])
+def test_batching_options_are_checked_in_one_line(tiny_export, option, value, message):
+    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), option, value, "--device", "cpu"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == message, result.stderr
+
+
 # ---------------------------------------------------------------- warmup
 
 
@@ -578,6 +632,22 @@ def test_every_warmup_request_is_valid_and_covers_the_shape_families(tiny_export
     assert sum(s < 64 for s in states) >= 2 and sum(s >= 64 for s in states) >= 2  # two sizes of each
     assert {1, 7} <= branches
     assert len(grids) >= 3  # the 2 x 2 image and two more sizes
+
+
+def test_warmup_batches_cover_the_combined_sweeps_families(tiny_export):
+    """The full warmup's batches: one of states without a prefix only, one with several prefixes,
+    one mixing images; at most --max-batch requests each; none for the basic warmup or --max-batch 1."""
+    from valen_runtime.request import Compiler
+    from valen_runtime.serve import warmup_batches, warmup_requests
+
+    compiler = Compiler.from_dir(tiny_export["separate"])
+    full = warmup_requests(True)
+    assert warmup_batches(warmup_requests(False), 8) == [] and warmup_batches(full, 1) == []
+    groups = [[compiler.compile(r) for r in group] for group in warmup_batches(full, 4)]
+    prefixes = [sum(len(c.state.input_ids) >= 64 for c in group) for group in groups]
+    images = [sum(c.state.image_grid_thw is not None for c in group) for group in groups]
+    assert all(2 <= len(group) <= 4 for group in groups)
+    assert 0 in prefixes and max(prefixes) >= 2 and max(images) >= 1
 
 
 @pytest.mark.gpu
@@ -622,3 +692,74 @@ def test_accepted_connections_turn_nagles_algorithm_off():
         return value
 
     assert asyncio.run(nodelay_of_an_accepted_connection()) != 0
+
+
+class _RecordingEngine:
+    """What the executor calls on an engine, recorded; the first launch holds until `release` is set
+    (the device still busy with it), so the test decides what is queued meanwhile."""
+
+    batches, mode, one_pass, graphs, kernels = True, "shared-prefix", True, None, {}
+
+    def __init__(self):
+        import threading
+
+        self.calls: list[tuple[str, list]] = []
+        self.release = threading.Event()
+        self.launched = threading.Event()
+
+    def prepare_many(self, requests):
+        self.calls.append(("prepare", [r["n"] for r in requests]))
+        return [r["n"] for r in requests]
+
+    def launch(self, batch):
+        self.calls.append(("launch", batch))
+        if len([c for c in self.calls if c[0] == "launch"]) == 1:
+            self.launched.set()
+            assert self.release.wait(30)
+        return batch
+
+    def collect(self, batch):
+        self.calls.append(("collect", batch))
+        return [ValueError("bad") if n == "bad" else {"n": n} for n in batch]
+
+
+def test_the_pipelined_executor_prepares_the_next_batch_before_collecting_the_one_in_flight():
+    """With pipelining (CUDA's default) the host work of the jobs that arrived meanwhile runs while
+    the batch before them is in flight, then that batch is collected, then the new one launched;
+    a request failing in collect fails alone."""
+    from valen_runtime.serve import Executor
+
+    engine = _RecordingEngine()
+    executor = Executor(lambda: engine, [], max_batch=8, pipelined=True)
+    executor.start()
+    first = executor.submit({"n": 1})
+    assert engine.launched.wait(30)
+    later = [executor.submit({"n": n}) for n in (2, "bad", 3)]
+    engine.release.set()
+    assert first.future.result(30) == {"n": 1}
+    assert [j.future.result(30) for j in (later[0], later[2])] == [{"n": 2}, {"n": 3}]
+    with pytest.raises(ValueError, match="bad"):
+        later[1].future.result(30)
+    executor.stop()
+    assert engine.calls == [("prepare", [1]), ("launch", [1]), ("prepare", [2, "bad", 3]), ("collect", [1]),
+                            ("launch", [2, "bad", 3]), ("collect", [2, "bad", 3])]
+    assert [j.batch for j in [first, *later]] == [1, 3, 3, 3] and executor.batches_run == 1
+
+
+def test_batch_wait_lets_an_idle_executor_gather_requests_that_come_soon_after():
+    """--batch-wait-ms: the first request wakes the executor, which waits that long (here 2 s) for
+    more before it launches; two that come 0.1 s later join the first one's batch."""
+    from valen_runtime.serve import Executor
+
+    engine = _RecordingEngine()
+    engine.release.set()
+    executor = Executor(lambda: engine, [], max_batch=8, pipelined=False, batch_wait=2.0)
+    executor.start()
+    t0 = time.monotonic()
+    jobs = [executor.submit({"n": 1})]
+    time.sleep(0.1)
+    jobs += [executor.submit({"n": n}) for n in (2, 3)]
+    assert [j.future.result(30) for j in jobs] == [{"n": 1}, {"n": 2}, {"n": 3}]
+    assert time.monotonic() - t0 >= 2.0  # a partial batch waited the whole time for a fuller one
+    executor.stop()
+    assert engine.calls[0] == ("prepare", [1, 2, 3]) and [j.batch for j in jobs] == [3, 3, 3]

@@ -4,8 +4,9 @@ rule wrapped as custom ops so a torch.compile'd layer stays one graph around it.
 - `fla_chunk_gated_delta_rule`: FLA's Triton chunked kernel with the arguments of
   `gated_delta.chunk_gated_delta_rule`; q/k are L2-normalised first in the activation dtype
   exactly as transformers 5.4.0 does, so only the kernel's internal rounding differs.
-- `gated_delta_rule_op` / `gated_delta_rule_varlen_op` (`valen::gated_delta_rule[_varlen]`): the
-  rule over a batch, or over sequences packed back to back in one row, by `impl` "torch" (the
+- `gated_delta_rule_op` / `gated_delta_rule_varlen_op` / `gated_delta_rule_varlen_final_op`
+  (`valen::gated_delta_rule[_varlen[_final]]`): the rule over a batch, or over sequences packed
+  back to back in one row (with or without each sequence's final state), by `impl` "torch" (the
   reference rule, every device) or "fla" (CUDA, bf16).
 - `sdpa_attention` / `sdpa_vision_attention`: scaled_dot_product_attention with the arguments of
   `qwen35.eager_attention` / `vision.bidirectional_attention`.
@@ -69,30 +70,33 @@ def _run_fla(q, k, v, g, beta, initial_state, output_final_state: bool, **varlen
     )
 
 
-def fla_varlen_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices):
-    """Packed sequences through FLA's varlen kernel; shapes as `gated_delta_rule_varlen_op`.
+def fla_varlen_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, output_final_state=False):
+    """Packed sequences through FLA's varlen kernel; shapes as `gated_delta_rule_varlen_op`
+    (-> out, and each sequence's final state [n, H, Dk, Dv] fp32 when asked for, else None).
 
     Capturable: `chunk_indices` comes from the host (FLA would otherwise build it with a host
     sync), and `cu_seqlens` is passed as a fresh view so FLA's identity-keyed memo of derived
     tensors recomputes them inside the graph instead of reusing a tensor it may later drop.
     """
-    o, _ = _run_fla(q, k, v, g, beta, initial_state, False, cu_seqlens=cu_seqlens.view(-1), chunk_indices=chunk_indices)
-    return o.to(v.dtype)
+    o, final = _run_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens=cu_seqlens.view(-1),
+                        chunk_indices=chunk_indices)
+    return o.to(v.dtype), (final.float() if output_final_state else None)
 
 
-def torch_varlen_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices):
+def torch_varlen_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, output_final_state=False):
     """Packed sequences one after the other through the reference's chunked rule (reads
     cu_seqlens on the host, so it cannot be captured in a CUDA graph). Shapes as
     `gated_delta_rule_varlen_op`; chunk_indices is FLA's and unused here."""
     bounds = cu_seqlens.tolist()
-    outs = []
+    outs, finals = [], []
     for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        out, _ = chunk_gated_delta_rule(
+        out, final = chunk_gated_delta_rule(
             q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end],
-            initial_state=initial_state[n : n + 1], output_final_state=False, use_qk_l2norm_in_kernel=False,
+            initial_state=initial_state[n : n + 1], output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
         )
         outs.append(out)
-    return torch.cat(outs, dim=1)
+        finals.append(final)
+    return torch.cat(outs, dim=1), (torch.cat(finals) if output_final_state else None)
 
 
 DELTA_RULES = {"torch": chunk_gated_delta_rule, "fla": fla_chunk_gated_delta_rule}
@@ -125,12 +129,29 @@ def gated_delta_rule_varlen_op(
     """Packed sequences (batch 1): q, k [1, T, H, Dk] L2-normalised; v [1, T, H, Dv]; g, beta [1, T, H];
     initial_state [n, H, Dk, Dv] fp32, one per sequence; cu_seqlens [n + 1]; chunk_indices [NT, 2]
     (sequence, chunk) of every 64-token chunk -> out [1, T, H, Dv]."""
-    return VARLEN_DELTA_RULES[impl](q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices).contiguous()
+    out, _ = VARLEN_DELTA_RULES[impl](q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices)
+    return out.contiguous()
 
 
 @gated_delta_rule_varlen_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, impl):
     return v.new_empty(v.shape)
+
+
+@torch.library.custom_op("valen::gated_delta_rule_varlen_final", mutates_args=())
+def gated_delta_rule_varlen_final_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    initial_state: torch.Tensor, cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor, impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_delta_rule_varlen_op` that also returns every sequence's final state [n, H, Dk, Dv] fp32
+    (the one-pass layout runs its requests' prefixes through it, then continues from those states)."""
+    out, final = VARLEN_DELTA_RULES[impl](q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, output_final_state=True)
+    return out.contiguous(), final.contiguous()
+
+
+@gated_delta_rule_varlen_final_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, impl):
+    return v.new_empty(v.shape), initial_state.new_empty(initial_state.shape)
 
 
 def sdpa_attention(q, k, v, mask, scaling):

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..qwen35 import DecoderLayer, decay_and_beta, rotate_half
-from .kernels import gated_delta_rule_op, gated_delta_rule_varlen_op, sdpa_attention
+from .kernels import gated_delta_rule_op, gated_delta_rule_varlen_final_op, gated_delta_rule_varlen_op, sdpa_attention
 from .projections import Projection, fuse, project
 from .rounding import cast
 
@@ -179,8 +179,10 @@ def _conv_taps_silu(taps: list[torch.Tensor], weight: torch.Tensor, dtype: torch
 
 class LayerFns(NamedTuple):
     gdn: Callable  # (x, conv_prev, state_prev, w) -> (x, conv tail, state)
-    gdn_one_pass: Callable  # (x, conv_zero, state_zero, taps, prefix_rows, cu_seqlens, chunk_indices, w) -> x
+    gdn_one_pass: Callable  # (x, conv_zero, state_zero, taps, prefix_rows, prefix_cu_seqlens, prefix_chunk_indices,
+    #                          cu_seqlens, chunk_indices, initial_state_index, w) -> x
     attention: Callable  # (x, cos, sin, mask, k_prev, v_prev, w) -> (x, keys, values)
+    attention_one_pass: Callable  # (x, cos, sin, mask, rows, slots, w) -> x
 
 
 def make_layer_fns(cfg, delta_impl: str) -> LayerFns:
@@ -218,24 +220,32 @@ def make_layer_fns(cfg, delta_impl: str) -> LayerFns:
             lambda q, k, v, g, beta: gated_delta_rule_op(q, k, v, g, beta, state_prev, delta_impl),
         )
 
-    def gdn_layer_one_pass(x, conv_zero, state_zero, taps, prefix_rows, cu_seqlens, chunk_indices, w: GdnWeights):
-        """One pass over [prefix (P rows) | packed continuations]: x [1, P + T, H]; the prefix starts
-        from zero history, the continuations from the prefix's final state, computed in this very
-        layer (two delta-rule calls); taps index [zeros (K-1) | row]. -> x."""
+    def gdn_layer_one_pass(x, conv_zero, state_zero, taps, prefix_rows, prefix_cu_seqlens, prefix_chunk_indices, cu_seqlens,
+                           chunk_indices, initial_state_index, w: GdnWeights):
+        """One pass over [prefixes (P rows) | packed continuations]: x [1, P + T, H]. The prefixes
+        run from zero history, each continuation from its own prefix's final state (or zero
+        without one), computed in this very layer (two varlen delta-rule calls); taps index
+        [zeros (K-1) | row]; initial_state_index [n] picks from [zero state | prefix final states]. -> x."""
         P = prefix_rows.shape[0]
 
         def rule(q, k, v, g, beta):
-            out_p, state = gated_delta_rule_op(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], state_zero, delta_impl)
-            initial = state.expand(cu_seqlens.shape[0] - 1, *state.shape[1:]).contiguous()  # [n, Hv, Dk, Dv]
+            states = state_zero  # [1, Hv, Dk, Dv]
+            if P > 0:
+                zeros = state_zero.expand(prefix_cu_seqlens.shape[0] - 1, *state_zero.shape[1:]).contiguous()
+                out_p, finals = gated_delta_rule_varlen_final_op(q[:, :P], k[:, :P], v[:, :P], g[:, :P], beta[:, :P], zeros,
+                                                                 prefix_cu_seqlens, prefix_chunk_indices, delta_impl)
+                states = torch.cat([state_zero, finals])  # [1 + m, Hv, Dk, Dv]
+            initial = states.index_select(0, initial_state_index)  # [n, Hv, Dk, Dv]
             out_c = gated_delta_rule_varlen_op(q[:, P:], k[:, P:], v[:, P:], g[:, P:], beta[:, P:], initial, cu_seqlens,
                                                chunk_indices, delta_impl)
-            return torch.cat([out_p, out_c], dim=1), None
+            return (torch.cat([out_p, out_c], dim=1) if P > 0 else out_c), None
 
         out, _, _ = gdn_body(x, w, lambda mixed: (causal_conv_silu_taps(mixed, conv_zero, w.conv, taps), None), rule)
         return out
 
-    def attention_layer(x, cos, sin, mask, k_prev, v_prev, w: AttentionWeights):
-        """x [B, T, H], cos / sin [B, T, R], k_prev / v_prev [B, Hk, S-T, D] or None -> (x, keys, values)."""
+    def attention_body(x, cos, sin, w: AttentionWeights, attend: Callable):
+        """The attention layer around its sequence-mixing step attend(q [B, Hq, T, D], k, v [B, Hk, T, D])
+        -> (out [B, T, Hq*D], keys, values), which differs between cached, batched and packed rows."""
         B, T, _ = x.shape
         h = rms_norm(x, w.input_norm, eps)
         q_out, k_out, v_out = project(h, w.qkv).split(qkv_splits, dim=-1)
@@ -244,14 +254,41 @@ def make_layer_fns(cfg, delta_impl: str) -> LayerFns:
         k = rms_norm(k_out.reshape(B, T, -1, D), w.k_norm, eps).transpose(1, 2)  # [B, Hk, T, D]
         v = v_out.reshape(B, T, -1, D).transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
-        if k_prev is not None:
-            k, v = torch.cat([k_prev, k], dim=2), torch.cat([v_prev, v], dim=2)  # [B, Hk, S, D]
-        out = sdpa_attention(q, k, v, mask, scaling).reshape(B, T, -1)  # [B, T, Hq*D]
+        out, k, v = attend(q, k, v)
         out = sigmoid_gate(out, gate.reshape(B, T, -1))
         x = add(x, project(out, w.o_proj))
         return mlp_residual(x, eps, w.mlp), k, v
 
-    return LayerFns(gdn_layer, gdn_layer_one_pass, attention_layer)
+    def attention_layer(x, cos, sin, mask, k_prev, v_prev, w: AttentionWeights):
+        """x [B, T, H], cos / sin [B, T, R], k_prev / v_prev [B, Hk, S-T, D] or None -> (x, keys, values)."""
+        B, T, _ = x.shape
+
+        def attend(q, k, v):
+            if k_prev is not None:
+                k, v = torch.cat([k_prev, k], dim=2), torch.cat([v_prev, v], dim=2)  # [B, Hk, S, D]
+            return sdpa_attention(q, k, v, mask, scaling).reshape(B, T, -1), k, v  # [B, T, Hq*D]
+
+        return attention_body(x, cos, sin, w, attend)
+
+    def attention_layer_one_pass(x, cos, sin, mask, rows, slots, w: AttentionWeights):
+        """Packed rows of m requests: x [1, R, H]; rows [m, L] (each request's rows, -1 pads), slots
+        [R] (each row's place in the flattened [m, L]), mask [m, 1, L, L]. With m > 1 attention runs
+        per request on its own L rows (sum of L^2 work, not R^2); m = 1 is the plain packed row. -> x."""
+        R = x.shape[1]
+
+        def attend(q, k, v):
+            m, L = rows.shape
+            if m == 1:
+                return sdpa_attention(q, k, v, mask, scaling).reshape(1, R, -1), k, v
+            flat = rows.clamp(min=0).reshape(-1)  # pads read row 0; the mask hides them
+            per_request = [t[0][:, flat].unflatten(1, (m, L)).transpose(0, 1) for t in (q, k, v)]  # [m, H, L, D]
+            out = sdpa_attention(*per_request, mask, scaling).reshape(m * L, -1)  # [m * L, Hq*D]
+            return out[slots][None], k, v  # [1, R, Hq*D]
+
+        out, _, _ = attention_body(x, cos, sin, w, attend)
+        return out
+
+    return LayerFns(gdn_layer, gdn_layer_one_pass, attention_layer, attention_layer_one_pass)
 
 
 def compile_layer_fns(fns: LayerFns) -> LayerFns:

@@ -36,25 +36,54 @@ def _dynamic(t: torch.Tensor, *dims: int) -> None:
 
 
 class OnePass(NamedTuple):
-    """Where the rows of a one-pass forward come from: the prefix's P rows lead, then every
-    branch's continuation (its state tail and suffix), packed back to back (R = P + T rows)."""
+    """Where the rows of a one-pass forward come from: the prefixes' P rows lead (one per request
+    that has one, back to back), then every branch's continuation (its state tail and suffix) of
+    every request, packed back to back (R = P + T rows). plan.packed_indices builds them."""
 
-    seq_ids: torch.Tensor  # [R] int64: the continuation of each row, -1 for the prefix's rows
+    seq_ids: torch.Tensor  # [R] int64: the sequence of each row: continuation n >= 0, prefix of request g -1 - g
     offsets: torch.Tensor  # [R] int64: its position within that sequence
     conv_taps: torch.Tensor  # [K, R] int64: each row's causal-conv inputs, indices into [zeros (K-1) | row]
     cu_seqlens: torch.Tensor  # [n + 1] int64: the continuations' boundaries, counted from the first one
     chunk_indices: torch.Tensor  # [NT, 2] int64: (continuation, chunk) of every 64-token delta-rule chunk
-    prefix_rows: torch.Tensor  # [P]: its length is the prefix's
+    prefix_rows: torch.Tensor  # [P]: its length is the prefixes' total
+    # Per request; None in a layout of one request (plan.one_pass_indices), see `complete`.
+    owners: torch.Tensor | None = None  # [R] int64: the request of each row
+    prefix_cu_seqlens: torch.Tensor | None = None  # [m + 1] int64: the m non-empty prefixes' boundaries
+    prefix_chunk_indices: torch.Tensor | None = None  # [NTp, 2] int64: (prefix, chunk) of every 64-token chunk of the prefixes
+    initial_state_index: torch.Tensor | None = None  # [n] int64: each continuation's start: 0 the zero state, i prefix i-1's final state
+    attention_rows: torch.Tensor | None = None  # [m, L] int64: each request's rows (prefix, then continuations), -1 pads to L
+    attention_slots: torch.Tensor | None = None  # [R] int64: each row's place in the flattened [m, L]
+
+    def complete(self) -> "OnePass":
+        """The per-request fields of a one-request layout: every row the request's, its prefix (if
+        any) one sequence, every continuation starting from it. (Host work: plans fill them in.)"""
+        if self.owners is not None:
+            return self
+        P, n, device = self.prefix_rows.shape[0], self.cu_seqlens.shape[0] - 1, self.seq_ids.device
+        chunks = torch.tensor([[0, c] for c in range(-(-P // 64))], dtype=torch.int64).view(-1, 2)
+        rows = torch.arange(self.seq_ids.shape[0], device=device)
+        return self._replace(
+            owners=torch.zeros_like(self.seq_ids), prefix_cu_seqlens=torch.tensor([0, P] if P else [0], device=device),
+            prefix_chunk_indices=chunks.to(device), initial_state_index=torch.full((n,), 1 if P else 0, device=device),
+            attention_rows=rows[None], attention_slots=rows,
+        )
 
 
 def one_pass_mask(layout: OnePass, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive mask [1, 1, R, R]: a prefix row sees the earlier prefix rows; a continuation row sees
-    the whole prefix and its own sequence causally."""
-    same = layout.seq_ids[:, None] == layout.seq_ids[None, :]
-    causal = layout.offsets[None, :] <= layout.offsets[:, None]
-    in_prefix = layout.seq_ids == -1
-    seen = (same & causal) | (in_prefix[None, :] & ~in_prefix[:, None])
-    return torch.where(seen, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)[None, None]
+    """Additive mask [m, 1, L, L] over each request's rows (`attention_rows`): a prefix row sees its
+    prefix's earlier rows; a continuation row sees its request's whole prefix and its own sequence
+    causally; a pad slot is seen by none and sees itself only (so no row is empty)."""
+    rows = layout.attention_rows
+    valid = rows >= 0
+    index = rows.clamp(min=0)
+    seq, offsets, owners = layout.seq_ids[index], layout.offsets[index], layout.owners[index]  # [m, L] each
+    same = seq[:, :, None] == seq[:, None, :]
+    causal = offsets[:, None, :] <= offsets[:, :, None]
+    in_prefix = seq < 0
+    same_request = owners[:, :, None] == owners[:, None, :]
+    seen = ((same & causal) | (same_request & in_prefix[:, None, :] & ~in_prefix[:, :, None])) & valid[:, None, :]
+    seen = seen | (torch.eye(rows.shape[1], dtype=torch.bool, device=device) & ~valid[:, :, None])
+    return torch.where(seen, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)[:, None]
 
 
 class FastText:
@@ -130,22 +159,30 @@ class FastText:
         return x
 
     def one_pass(self, rows: torch.Tensor, position_ids: torch.Tensor, layout: OnePass) -> torch.Tensor:
-        """The prefix and every continuation in one sweep: rows [1, R, H], positions [3, 1, R] -> hidden
-        [1, R, H]. Each GDN layer runs the delta rule over the prefix from zero, then over the
-        continuations from the prefix's final state; attention masks by `one_pass_mask`."""
+        """The prefixes and every continuation in one sweep: rows [1, R, H], positions [3, 1, R] ->
+        hidden [1, R, H]. Each GDN layer runs the delta rule over the prefixes from zero, then over
+        the continuations, each from its prefix's final state; attention runs per request over its
+        own rows, masked by `one_pass_mask`."""
+        layout = layout.complete()
         cos, sin = self.rotary_emb(rows, position_ids)  # [1, R, R_rot]
-        mask = one_pass_mask(layout, rows.dtype, rows.device)  # [1, 1, R, R]
+        mask = one_pass_mask(layout, rows.dtype, rows.device)  # [m, 1, L, L]
         zero_conv, zero_state = self._zero_history(1, rows)
-        for t, dims in ((layout.conv_taps, (1,)), (layout.cu_seqlens, (0,)), (layout.chunk_indices, (0,)), (layout.prefix_rows, (0,))):
+        for t, dims in ((layout.conv_taps, (1,)), (layout.cu_seqlens, (0,)), (layout.chunk_indices, (0,)), (layout.prefix_rows, (0,)),
+                        (layout.prefix_cu_seqlens, (0,)), (layout.prefix_chunk_indices, (0,)), (layout.initial_state_index, (0,)),
+                        (layout.attention_rows, (0, 1)), (layout.attention_slots, (0,)), (mask, (0, 2, 3))):
             _dynamic(t, *dims)
         h = rows
         for i, w in enumerate(self.layer_weights):
             if self.config.layer_types[i] == "linear_attention":
                 _dynamic(h, 0, 1)
-                h = self.fns.gdn_one_pass(h, zero_conv, zero_state, layout.conv_taps, layout.prefix_rows,
-                                          layout.cu_seqlens, layout.chunk_indices, w)
+                h = self.fns.gdn_one_pass(h, zero_conv, zero_state, layout.conv_taps, layout.prefix_rows, layout.prefix_cu_seqlens,
+                                          layout.prefix_chunk_indices, layout.cu_seqlens, layout.chunk_indices,
+                                          layout.initial_state_index, w)
             else:
-                h = self.layer(i, h, cos, sin, mask)
+                _dynamic(h, 0, 1)
+                _dynamic(cos, 0, 1)
+                _dynamic(sin, 0, 1)
+                h = self.fns.attention_one_pass(h, cos, sin, mask, layout.attention_rows, layout.attention_slots, w)
         return self.final_norm(h, self.norm_weight, self.eps)
 
     def _zero_history(self, batch: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

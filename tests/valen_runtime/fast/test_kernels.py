@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from valen_runtime.fast.kernels import gated_delta_rule_op, gated_delta_rule_varlen_op, sdpa_attention, sdpa_vision_attention
+from valen_runtime.fast.kernels import (gated_delta_rule_op, gated_delta_rule_varlen_final_op, gated_delta_rule_varlen_op, sdpa_attention,
+                                       sdpa_vision_attention)
 from valen_runtime.gated_delta import chunk_gated_delta_rule, l2norm
 from valen_runtime.qwen35 import causal_mask, eager_attention
 from valen_runtime.vision import bidirectional_attention
@@ -59,6 +60,45 @@ def test_varlen_op_equals_one_run_per_sequence():
         want, _ = chunk_gated_delta_rule(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end],
                                          initial_state=states[n : n + 1], use_qk_l2norm_in_kernel=False)
         assert torch.equal(out[:, start:end], want)
+
+
+def test_varlen_final_op_returns_each_sequences_final_state():
+    """The prefixes' call of the one-pass layout: outputs as the varlen op, and per sequence the
+    final state of one run of the chunked rule on it alone."""
+    lengths = [64, 128, 3]
+    q, k, v, g, beta, _ = delta_inputs(sum(lengths), B=1, seed=10)
+    states = torch.randn(len(lengths), 3, 8, 8, generator=torch.Generator().manual_seed(11))
+    cu = torch.tensor([0, 64, 192, 195])
+    out, finals = gated_delta_rule_varlen_final_op(q, k, v, g, beta, states, cu, torch.zeros(0, 2, dtype=torch.long), "torch")
+    assert torch.equal(out, gated_delta_rule_varlen_op(q, k, v, g, beta, states, cu, torch.zeros(0, 2, dtype=torch.long), "torch"))
+    assert finals.shape == states.shape
+    for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        _, want = chunk_gated_delta_rule(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end], beta[:, start:end],
+                                         initial_state=states[n : n + 1], output_final_state=True, use_qk_l2norm_in_kernel=False)
+        assert torch.equal(finals[n : n + 1], want)
+
+
+@pytest.mark.gpu
+def test_fla_varlen_final_op_matches_the_torch_one():
+    """The prefixes' final states through FLA's varlen kernel against the reference rule one
+    sequence at a time; bf16 resolution as in test_fla_rule_matches_torch_chunk_rule."""
+    from valen_runtime.fast.kernels import fla_available
+
+    if not fla_available():
+        pytest.skip("flash-linear-attention not importable")
+    lengths = [64, 192, 128]
+    gen = torch.Generator().manual_seed(13)
+    T, H, D = sum(lengths), 4, 128
+    q, k = (l2norm(torch.randn(1, T, H, D, generator=gen).cuda().bfloat16()) for _ in range(2))
+    v = torch.randn(1, T, H, D, generator=gen).cuda().bfloat16()
+    g, beta = (-torch.rand(1, T, H, generator=gen) * 0.5).cuda(), torch.rand(1, T, H, generator=gen).cuda().bfloat16()
+    zeros = torch.zeros(len(lengths), H, D, D, device="cuda")
+    cu = torch.tensor([0, 64, 256, 384], device="cuda")
+    chunks = torch.tensor([[i, c] for i, n in enumerate(lengths) for c in range(n // 64)], device="cuda")
+    want_out, want_final = gated_delta_rule_varlen_final_op(q, k, v, g, beta, zeros, cu, chunks, "torch")
+    got_out, got_final = gated_delta_rule_varlen_final_op(q, k, v, g, beta, zeros, cu, chunks, "fla")
+    assert (got_out.float() - want_out.float()).abs().max().item() <= 2e-2 * want_out.float().abs().max().item() + 1e-3
+    assert (got_final - want_final).abs().max().item() <= 2e-2 * want_final.abs().max().item() + 1e-3
 
 
 @pytest.mark.gpu

@@ -110,7 +110,7 @@ def test_causal_conv_continues_exactly_like_one_pass():
 def test_tap_indexed_conv_equals_one_conv_per_sequence():
     """Sequences packed in one row, all continuing the same history: the tap index (as
     plan.one_pass_indices builds it) reads each one's own rows, or the shared history before its start."""
-    from valen_runtime.plan import one_pass_indices
+    from valen_runtime.plan import packed_indices
 
     gen = torch.Generator().manual_seed(8)
     C, K, lengths = 6, 4, [5, 1, 70, 3]
@@ -153,7 +153,7 @@ def test_compiled_bf16_layers_equal_the_eager_ones_bit_for_bit(tiny_export, emul
     keeps them all in fp32 (the CPU's stand-in for what the H200's compiled layers did with it on:
     a GDN layer's conv output differed from eager in a quarter of its elements); with it, as the
     fast path compiles. Both must equal the eager layers exactly."""
-    from valen_runtime.plan import one_pass_indices
+    from valen_runtime.plan import packed_indices
 
     model = load_model(tiny_export["separate"], dtype="bf16")
     text = FastModel.build(model, compile=False).text
@@ -167,14 +167,15 @@ def test_compiled_bf16_layers_equal_the_eager_ones_bit_for_bit(tiny_export, emul
     mask = causal_mask(37, 0, x.dtype, x.device)
     conv_zero, state_zero = text._zero_history(2, x)
     K = text.config.linear_conv_kernel_dim
-    row = random_rows(text, 1, 64 + 45, seed=9)
-    taps, cu_seqlens, chunk_indices, prefix_rows = [one_pass_indices(64, [20, 25], K)[i] for i in (2, 3, 4, 5)]
+    row = random_rows(text, 1, 64 + 45 + 9, seed=9)  # two requests: a 64-row prefix with two continuations, one without
+    index = packed_indices([(64, [20, 25]), (0, [9])], K)
+    taps, cu_seqlens, chunk_indices, prefix_rows, prefix_cu_seqlens, prefix_chunks, initial = (index[i] for i in (2, 3, 4, 5, 7, 8, 9))
     one_conv, one_state = text._zero_history(1, row)
     calls = {
         "gdn": lambda f: f.gdn(x, conv_zero, state_zero, text.layer_weights[gdn]),
         "attention": lambda f: f.attention(x, cos, sin, mask, None, None, text.layer_weights[attention]),
-        "gdn one-pass": lambda f: f.gdn_one_pass(row, one_conv, one_state, taps, prefix_rows, cu_seqlens, chunk_indices,
-                                                 text.layer_weights[gdn]),
+        "gdn one-pass": lambda f: f.gdn_one_pass(row, one_conv, one_state, taps, prefix_rows, prefix_cu_seqlens, prefix_chunks,
+                                                 cu_seqlens, chunk_indices, initial, text.layer_weights[gdn]),
     }
     from valen_runtime.fast.model import vision_block
 

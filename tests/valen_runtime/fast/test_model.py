@@ -116,6 +116,60 @@ def test_one_pass_equals_one_reference_forward_per_sequence(tiny_export, dtype, 
         assert_as_accurate(got, want, per_sequence(load_model(tiny_export["separate"], dtype="fp32").text))
 
 
+GROUPS = [(64, [21, 5]), (0, [13, 9]), (128, [7, 30])]  # (prefix rows, continuation lengths) per request
+
+
+def several_requests_rows(groups, seed: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows [1, R, H] in the one-pass order (prefixes, then every continuation) and their
+    positions [3, 1, R] (a prefix from 0, its continuations from the prefix's end)."""
+    R = sum(cut + sum(lengths) for cut, lengths in groups)
+    rows = random_rows(hidden, 1, R, seed)
+    pos = [positions(1, 0, cut) for cut, _ in groups] + [positions(1, cut, n) for cut, lengths in groups for n in lengths]
+    return rows, torch.cat(pos, dim=2)
+
+
+def per_sequence_of_groups(text, rows: torch.Tensor, groups) -> torch.Tensor:
+    """The reference run once per sequence (its request's prefix + the continuation, from position 0)
+    on the rows of `several_requests_rows`; hidden states put back in the one-pass order."""
+    dtype = text.embed_tokens.weight.dtype
+    starts, row = [], 0
+    for cut, _ in groups:
+        starts.append(row)
+        row += cut
+    prefix_out, cont_out = [], []
+    for (cut, lengths), start in zip(groups, starts):
+        prefix = rows[:, start : start + cut]
+        for k, n in enumerate(lengths):
+            seq = torch.cat([prefix, rows[:, row : row + n]], dim=1)
+            out = text(seq.to(dtype), positions(1, 0, cut + n)).float()
+            if k == 0:
+                prefix_out.append(out[:, :cut])
+            cont_out.append(out[:, cut:])
+            row += n
+    return torch.cat(prefix_out + cont_out, dim=1)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_pass_of_several_requests_equals_one_reference_forward_per_sequence(tiny_export, dtype, roundoff_bound):
+    """Three requests' rows in one sweep (prefixes of 64 and 128 rows, and one request with none)
+    against the reference run once per sequence, every row compared (the first rows of each
+    continuation are where a wrong prefix state, conv history or mask would show)."""
+    from valen_runtime.plan import packed_indices
+
+    model = load_model(tiny_export["separate"], dtype=dtype)
+    fast = FastModel.build(model, compile=False)
+    cfg = model.config.text_config
+    rows, rows_pos = several_requests_rows(GROUPS, seed=21, hidden=cfg.hidden_size)
+    layout = OnePass(*packed_indices(GROUPS, cfg.linear_conv_kernel_dim))
+    got = fast.text.one_pass(rows.to(model.text.embed_tokens.weight.dtype), rows_pos, layout).float()
+    want = per_sequence_of_groups(model.text, rows, GROUPS)
+    if dtype == "fp32":
+        bound = text_stack_bound(roundoff_bound, model.text, lambda r: per_sequence_of_groups(model.text, r, GROUPS), rows)
+        assert_fp32_close(got, want, bound)
+    else:
+        assert_as_accurate(got, want, per_sequence_of_groups(load_model(tiny_export["separate"], dtype="fp32").text, rows, GROUPS))
+
+
 def vision_inputs(model, grids, seed: int):
     from valen_runtime.vision import frame_lengths
 
