@@ -110,7 +110,7 @@ def test_causal_conv_continues_exactly_like_one_pass():
 def test_tap_indexed_conv_equals_one_conv_per_sequence():
     """Sequences packed in one row, all continuing the same history: the tap index (as
     plan.one_pass_indices builds it) reads each one's own rows, or the shared history before its start."""
-    from valen_runtime.plan import packed_indices
+    from valen_runtime.plan import one_pass_indices
 
     gen = torch.Generator().manual_seed(8)
     C, K, lengths = 6, 4, [5, 1, 70, 3]
