@@ -10,10 +10,10 @@
 #   3. benchmarks/latency.py on the 2b preset (reference path vs runtime modes, one run; LATENCY_ARGS adds options, e.g. --skip-reference --only graphs),
 #   4. valen-parity on the 2b preset: bf16 per-branch and shared-prefix, fp32 per-branch, both LoRA modes.
 #   gate: the parity gate on the 2b preset (docs/parity.md): the generated 210-question set in the
-#      default CUDA configuration for both exports with their fp32 dual checks, and every negative
-#      control (each must fail); the truth-relative GPU tests beside it. Alone: STEPS=gate, about 8 min
-#      within the default BUDGET=560 (work not started in time is skipped and reported; GATE_SHARDS,
-#      GATE_ARGS adjust it).
+#      default CUDA configuration for the exports in GATE_LORA (default both) with their fp32 dual
+#      checks, and every negative control (each must fail); the truth-relative GPU tests beside it.
+#      Work not started within BUDGET (default 560 s) is skipped and reported; the whole gate takes
+#      three calls (GATE_LORA=separate, GATE_LORA=merged, GATE_ARGS=--only-controls).
 #   "serve" (not in the default STEPS; run it alone: STEPS=serve): benchmarks/serve_load.py, valen-serve under
 #   load on the 2b separate export (SERVE_ARGS adds options, e.g. --leak-requests 2000).
 set -uo pipefail
@@ -75,27 +75,31 @@ PY
   done
 fi
 if [[ " $STEPS " == *" gate "* ]]; then
-  # One gate process per export (each compiles its own fast-path variants; they share the GPU and
-  # one reference cache): the separate one starts the reference processes (bf16 and fp32, computed
-  # once for the whole set, GATE_SHARDS processes each), the merged one waits for their results in
-  # the cache. The fixture and exports are built first, once (both processes read them).
+  # One gate process per export in GATE_LORA (default both; each compiles its own fast-path
+  # variants; they share the GPU and one reference cache): the first starts the reference processes
+  # (bf16 and fp32, computed once for the whole set, GATE_SHARDS processes each), the others wait
+  # for their results in the cache. The whole gate does not fit one 10-minute call: run
+  # GATE_LORA=separate, then GATE_LORA=merged while the machine is warm (the cache is reused), then
+  # GATE_ARGS=--only-controls. The fixture and exports are built first, once.
   python3 -c "import sys; from pathlib import Path; from parity.gate import build_inputs; w = Path(sys.argv[1]); build_inputs(w, w, '2b')" "$WORK" \
     > "$OUT/gate-build.log" 2>&1 || { echo "gate: fixture build failed"; tail -5 "$OUT/gate-build.log"; }
   GATE_BUDGET=$(( $(left) - 30 ))
   GATE_ARGS="--device cuda --preset 2b --work $WORK --controls --threads 4 --reference-cache $WORK/reference-cache --reference-shards ${GATE_SHARDS:-2} --budget $GATE_BUDGET ${GATE_ARGS:-}"
   timeout $(cap ${TESTS_TIMEOUT:-420}) python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/valen_runtime/fast/test_model.py -k as_accurate > "$OUT/gate-tests.log" 2>&1 &
   TESTS_PID=$!
-  timeout $(( GATE_BUDGET + 20 )) python3 -m parity.gate "$OUT/gate-separate" --lora separate $GATE_ARGS > "$OUT/gate-separate.log" 2>&1 &
-  SEP_PID=$!
-  timeout $(( GATE_BUDGET + 20 )) python3 -m parity.gate "$OUT/gate-merged" --lora merged --wait-for-references $GATE_BUDGET $GATE_ARGS > "$OUT/gate-merged.log" 2>&1 &
-  MERGED_PID=$!
-  wait $SEP_PID; SEP_RC=$?
-  wait $MERGED_PID; MERGED_RC=$?
+  WAIT_ARGS=""; PIDS=""; DIRS=""
+  for lora in ${GATE_LORA:-separate merged}; do
+    timeout $(( GATE_BUDGET + 20 )) python3 -m parity.gate "$OUT/gate-$lora" --lora $lora $WAIT_ARGS $GATE_ARGS > "$OUT/gate-$lora.log" 2>&1 &
+    PIDS="$PIDS $lora:$!"; DIRS="$DIRS $OUT/gate-$lora"
+    WAIT_ARGS="--wait-for-references $GATE_BUDGET"
+  done
+  RCS=""
+  for entry in $PIDS; do wait "${entry#*:}"; RCS="$RCS ${entry%%:*} exit $?;"; done
   wait $TESTS_PID; TESTS_RC=$?
-  python3 -m parity.summary "$OUT/gate-separate" "$OUT/gate-merged" --markdown > "$OUT/gate-summary.txt" 2>&1
+  python3 -m parity.summary $DIRS --markdown > "$OUT/gate-summary.txt" 2>&1
   cat "$OUT/gate-summary.txt"
   grep -E "truth-relative:|passed|failed|error" "$OUT/gate-tests.log" | tail -8
-  echo "gate: separate exit $SEP_RC, merged exit $MERGED_RC (0 = every configuration passed and every control failed); truth-relative GPU tests exit $TESTS_RC"
+  echo "gate:$RCS (0 = every configuration passed and every control failed); truth-relative GPU tests exit $TESTS_RC"
 fi
 
 if [[ " $STEPS " == *" serve "* ]]; then  # builds fixture-2b and export-2b-separate when missing (as the parity step)

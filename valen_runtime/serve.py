@@ -59,7 +59,7 @@ class Settings:
     queue_size: int = 32  # requests admitted beyond the one running
     request_timeout: float = 55.0  # seconds from admission to answer; the frontend gives up at 60 s
     read_timeout: float = 15.0  # seconds for a request's headers, and again for its body (as upstream)
-    max_batch: int = 8  # waiting requests the executor runs together (1: one at a time)
+    max_batch: int = 1  # waiting requests the executor runs together (1: one at a time; docs/benchmarks.md has the trade-off)
     batch_wait: float = 0.0  # seconds an idle executor waits for more requests to join a batch
 
     def __post_init__(self):
