@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import ModelConfig
@@ -80,7 +81,7 @@ def _rope(compiled: CompiledRequest, config: ModelConfig) -> tuple[torch.Tensor,
 
 
 def _image_index(compiled: CompiledRequest) -> torch.Tensor:
-    return torch.tensor([i for i, t in enumerate(compiled.state.mm_token_type_ids) if t == 1], dtype=torch.int64)
+    return torch.from_numpy(np.flatnonzero(np.array(compiled.state.mm_token_type_ids, dtype=np.int64) == 1))
 
 
 def _batch(compiled: CompiledRequest, branches: list[Branch], positions: torch.Tensor, next_pos: int, cut: int,
@@ -199,10 +200,13 @@ def packed_indices(groups: list[tuple[int, list[int]]], K: int) -> list[torch.Te
             sequences.append((length, n, g, prefix_ends[g] if cut else 0))
             initial_state_index.append(prefix_number if cut else 0)
             n += 1
-    # Per row (plain lists: torch.repeat_interleave costs milliseconds on the CPU at these sizes).
-    offsets = torch.tensor([o for s in sequences for o in range(s[0])], dtype=torch.int64)  # [R]
-    seq_ids, owners, history = (torch.tensor([s[i] for s in sequences for _ in range(s[0])], dtype=torch.int64) for i in (1, 2, 3))
-    R = len(offsets)
+    # Per row, each sequence's fields repeated over its rows (numpy: a few microseconds where
+    # Python lists or torch.repeat_interleave take a millisecond at these sizes).
+    table = np.array(sequences, dtype=np.int64).reshape(-1, 4)  # [sequences, (length, id, owner, history end)]
+    lengths = table[:, 0]
+    R = int(lengths.sum())
+    offsets = torch.from_numpy(np.arange(R) - np.repeat(np.cumsum(lengths) - lengths, lengths))  # [R]
+    seq_ids, owners, history = (torch.from_numpy(np.repeat(table[:, i], lengths)) for i in (1, 2, 3))
     # Tap j of row t reads [zeros (K-1) | rows] at t + j: its own rows, or before its start the
     # history's last rows (offset + j < K - 1 lands below the history's end, or in the zeros).
     rows = torch.arange(R)
@@ -230,7 +234,9 @@ def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
 
 def _chunk_indices(lengths: list[int]) -> torch.Tensor:
     """(sequence, chunk) of every 64-token delta-rule chunk, as FLA's varlen kernels take them: [NT, 2]."""
-    return torch.tensor([[i, c] for i, n in enumerate(lengths) for c in range(-(-n // CHUNK))], dtype=torch.int64).view(-1, 2)
+    chunks = -(-np.array(lengths, dtype=np.int64) // CHUNK)
+    first = np.repeat(np.cumsum(chunks) - chunks, chunks)
+    return torch.from_numpy(np.stack([np.repeat(np.arange(len(chunks)), chunks), np.arange(int(chunks.sum())) - first], axis=1))
 
 
 def head_rows(branches: list[Branch], starts: list[int], firsts: list[int]) -> tuple[torch.Tensor, int]:
