@@ -245,8 +245,15 @@ def main(argv=None) -> int:
         ids = [(f"{c}/{n}", r) for c, n, r in requests]
         jobs = {}
         if args.wait_for_references is None:
-            jobs = {d: start_reference(fx.checkpoint, fx.base, ids, device=args.device, dtype=d, threads=threads,
-                                       cache_dir=cache, shards=args.reference_shards) for d in dtypes}
+            try:
+                for d in dtypes:
+                    jobs[d] = start_reference(fx.checkpoint, fx.base, ids, device=args.device, dtype=d, threads=threads,
+                                              cache_dir=cache, shards=args.reference_shards)
+            except BaseException:  # the dtypes already started must not outlive a failure to start the next
+                for job in jobs.values():
+                    job.stop()
+                    job.remove_temporary()
+                raise
         _say(f"{len(requests)} requests, {n_questions} questions; references {', '.join(dtypes)}: "
              + ("started" if jobs else "awaited in the cache") + f" ({args.reference_shards} process(es) each)")
         summary = {"configurations": {}, "controls": {}, "skipped": [], "requests": len(requests), "questions": n_questions}

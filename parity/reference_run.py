@@ -10,13 +10,16 @@ requests, threads, the reference's own code) and reused by later runs of the sam
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +167,24 @@ class ReferenceJob:
                 shutil.rmtree(shard.out, ignore_errors=True)
 
 
+_HELD = {signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGTERM, SIGHUP and SIGINT (delivered when the block ends). Only the main thread runs
+    Python signal handlers, so elsewhere there is nothing to hold. The worker process inherits the
+    held set and releases it first thing (reference_worker.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def start_reference(
     checkpoint: Path,
     base: Path,
@@ -185,35 +206,40 @@ def start_reference(
     shards = max(1, min(shards, len(requests)))
     size = -(-len(requests) // shards)
     parts = [requests[i : i + size] for i in range(0, len(requests), size)]
-    out = []
+    job = ReferenceJob(dtype, [], cache_dir, timeout)
     env = isolation.clean_environment()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    for part in parts:
-        key = cache_key(checkpoint, base, device, dtype, part, valen_source, threads) if cache_dir is not None else None
-        shard = _Shard(part, key)
-        hit = None if key is None else Path(cache_dir) / key
-        if hit is not None and (hit / "reference.json").is_file():
-            shard.data = _read_results(hit, part)
-            out.append(shard)
-            continue
-        shard.out = Path(tempfile.mkdtemp(prefix=f"valen-parity-ref-{dtype}-", dir=workdir))
-        job = {
-            "checkpoint": str(checkpoint.resolve()), "base": str(base.resolve()), "device": device, "dtype": dtype,
-            "out": str(shard.out), "valen_source": valen_source, "threads": threads,
-            "requests": [{"id": rid, "request": req} for rid, req in part],
-        }
-        job_path = shard.out / "job.json"
-        job_path.write_text(json.dumps(job, ensure_ascii=False), encoding="utf-8")
-        with open(shard.out / "stderr.txt", "w", encoding="utf-8") as stderr:
-            shard.process = subprocess.Popen(
-                [sys.executable, "-m", "parity.reference_worker", str(job_path)],
-                env=env, cwd=str(REPO_ROOT), stdout=subprocess.DEVNULL, stderr=stderr, text=True,
-            )
-        shard.started = time.perf_counter()
-        out.append(shard)
-    return ReferenceJob(dtype, out, cache_dir, timeout)
+    try:
+        for part in parts:
+            key = cache_key(checkpoint, base, device, dtype, part, valen_source, threads) if cache_dir is not None else None
+            shard = _Shard(part, key)
+            job.shards.append(shard)  # before its folder exists: a failure below still finds it
+            hit = None if key is None else Path(cache_dir) / key
+            if hit is not None and (hit / "reference.json").is_file():
+                shard.data = _read_results(hit, part)
+                continue
+            with _signals_held():  # the folder and the process each reach `shard` before a signal can act
+                shard.out = Path(tempfile.mkdtemp(prefix=f"valen-parity-ref-{dtype}-", dir=workdir))
+                request_list = [{"id": rid, "request": req} for rid, req in part]
+                spec = {
+                    "checkpoint": str(checkpoint.resolve()), "base": str(base.resolve()), "device": device, "dtype": dtype,
+                    "out": str(shard.out), "valen_source": valen_source, "threads": threads, "requests": request_list,
+                }
+                job_path = shard.out / "job.json"
+                job_path.write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+                with open(shard.out / "stderr.txt", "w", encoding="utf-8") as stderr:
+                    shard.process = subprocess.Popen(
+                        [sys.executable, "-m", "parity.reference_worker", str(job_path)],
+                        env=env, cwd=str(REPO_ROOT), stdout=subprocess.DEVNULL, stderr=stderr, text=True,
+                    )
+            shard.started = time.perf_counter()
+    except BaseException:  # a signal (SystemExit) or an error half-way: no process or folder outlives it
+        job.stop()
+        job.remove_temporary()
+        raise
+    return job
 
 
 def wait_for_cached(
