@@ -173,12 +173,6 @@ def plan_one_pass(requests: list[CompiledRequest], config: ModelConfig) -> Plan:
     return Plan("one-pass", parts, sizes, cand_counts, branch_counts)
 
 
-def one_pass_indices(cut: int, seq_lengths: list[int], K: int) -> list[torch.Tensor]:
-    """`packed_indices` for one request: a prefix of `cut` rows (0, or >= K-1) followed by
-    continuations of it; its first six fields (`OnePass.complete` derives the per-request ones)."""
-    return packed_indices([(cut, list(seq_lengths))], K)[:6]
-
-
 def packed_indices(groups: list[tuple[int, list[int]]], K: int) -> list[torch.Tensor]:
     """The one-pass rows' indices (`fast.model.OnePass`'s fields, int64) for groups (prefix rows,
     continuation lengths): the prefixes lead back to back, then every group's continuations in

@@ -46,27 +46,12 @@ class OnePass(NamedTuple):
     cu_seqlens: torch.Tensor  # [n + 1] int64: the continuations' boundaries, counted from the first one
     chunk_indices: torch.Tensor  # [NT, 2] int64: (continuation, chunk) of every 64-token delta-rule chunk
     prefix_rows: torch.Tensor  # [P]: its length is the prefixes' total
-    # Per request; None in a layout of one request (plan.one_pass_indices), see `complete`.
-    owners: torch.Tensor | None = None  # [R] int64: the request of each row
-    prefix_cu_seqlens: torch.Tensor | None = None  # [m + 1] int64: the m non-empty prefixes' boundaries
-    prefix_chunk_indices: torch.Tensor | None = None  # [NTp, 2] int64: (prefix, chunk) of every 64-token chunk of the prefixes
-    initial_state_index: torch.Tensor | None = None  # [n] int64: each continuation's start: 0 the zero state, i prefix i-1's final state
-    attention_rows: torch.Tensor | None = None  # [m, L] int64: each request's rows (prefix, then continuations), -1 pads to L
-    attention_slots: torch.Tensor | None = None  # [R] int64: each row's place in the flattened [m, L]
-
-    def complete(self) -> "OnePass":
-        """The per-request fields of a one-request layout: every row the request's, its prefix (if
-        any) one sequence, every continuation starting from it. (Host work: plans fill them in.)"""
-        if self.owners is not None:
-            return self
-        P, n, device = self.prefix_rows.shape[0], self.cu_seqlens.shape[0] - 1, self.seq_ids.device
-        chunks = torch.tensor([[0, c] for c in range(-(-P // 64))], dtype=torch.int64).view(-1, 2)
-        rows = torch.arange(self.seq_ids.shape[0], device=device)
-        return self._replace(
-            owners=torch.zeros_like(self.seq_ids), prefix_cu_seqlens=torch.tensor([0, P] if P else [0], device=device),
-            prefix_chunk_indices=chunks.to(device), initial_state_index=torch.full((n,), 1 if P else 0, device=device),
-            attention_rows=rows[None], attention_slots=rows,
-        )
+    owners: torch.Tensor  # [R] int64: the request of each row
+    prefix_cu_seqlens: torch.Tensor  # [m + 1] int64: the m non-empty prefixes' boundaries
+    prefix_chunk_indices: torch.Tensor  # [NTp, 2] int64: (prefix, chunk) of every 64-token chunk of the prefixes
+    initial_state_index: torch.Tensor  # [n] int64: each continuation's start: 0 the zero state, i prefix i-1's final state
+    attention_rows: torch.Tensor  # [m, L] int64: each request's rows (prefix, then continuations), -1 pads to L
+    attention_slots: torch.Tensor  # [R] int64: each row's place in the flattened [m, L]
 
 
 def one_pass_mask(layout: OnePass, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -163,7 +148,6 @@ class FastText:
         hidden [1, R, H]. Each GDN layer runs the delta rule over the prefixes from zero, then over
         the continuations, each from its prefix's final state; attention runs per request over its
         own rows, masked by `one_pass_mask`."""
-        layout = layout.complete()
         cos, sin = self.rotary_emb(rows, position_ids)  # [1, R, R_rot]
         mask = one_pass_mask(layout, rows.dtype, rows.device)  # [m, 1, L, L]
         zero_conv, zero_state = self._zero_history(1, rows)

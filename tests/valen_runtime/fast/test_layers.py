@@ -109,15 +109,15 @@ def test_causal_conv_continues_exactly_like_one_pass():
 
 def test_tap_indexed_conv_equals_one_conv_per_sequence():
     """Sequences packed in one row, all continuing the same history: the tap index (as
-    plan.one_pass_indices builds it) reads each one's own rows, or the shared history before its start."""
-    from valen_runtime.plan import one_pass_indices
+    plan.packed_indices builds it) reads each one's own rows, or the shared history before its start."""
+    from valen_runtime.plan import packed_indices
 
     gen = torch.Generator().manual_seed(8)
     C, K, lengths = 6, 4, [5, 1, 70, 3]
     weight = torch.randn(C, 1, K, generator=gen)
     prev = torch.randn(1, C, K - 1, generator=gen)
     mixed = torch.randn(1, sum(lengths), C, generator=gen)
-    _, offsets, taps, cu, _, _ = one_pass_indices(0, lengths, K)
+    _, offsets, taps, cu = packed_indices([(0, lengths)], K)[:4]
     packed = causal_conv_silu_taps(mixed, prev, weight, taps)
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         want, _ = causal_conv_silu(mixed[:, start:end], prev, weight)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from valen_runtime.fast.model import FastModel, OnePass, patch_gemm_matches_conv
-from valen_runtime.plan import one_pass_indices
+from valen_runtime.plan import packed_indices
 from valen_runtime.weights import load_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -98,7 +98,7 @@ def test_one_pass_equals_one_reference_forward_per_sequence(tiny_export, dtype, 
     P, lengths = 64, [21, 5, 13]
     prefix = random_rows(cfg.hidden_size, 1, P, seed=4)
     conts = [random_rows(cfg.hidden_size, 1, n, seed=5 + n) for n in lengths]
-    layout = OnePass(*one_pass_indices(P, lengths, cfg.linear_conv_kernel_dim))
+    layout = OnePass(*packed_indices([(P, lengths)], cfg.linear_conv_kernel_dim))
     rows = torch.cat([prefix, *conts], dim=1)
     rows_pos = torch.cat([positions(1, 0, P)] + [positions(1, P, n) for n in lengths], dim=2)
     wdtype = model.text.embed_tokens.weight.dtype
@@ -154,8 +154,6 @@ def test_one_pass_of_several_requests_equals_one_reference_forward_per_sequence(
     """Three requests' rows in one sweep (prefixes of 64 and 128 rows, and one request with none)
     against the reference run once per sequence, every row compared (the first rows of each
     continuation are where a wrong prefix state, conv history or mask would show)."""
-    from valen_runtime.plan import packed_indices
-
     model = load_model(tiny_export["separate"], dtype=dtype)
     fast = FastModel.build(model, compile=False)
     cfg = model.config.text_config
