@@ -114,7 +114,7 @@ def plan_one_pass(requests: list[CompiledRequest], config: ModelConfig) -> Plan:
     K = config.text_config.linear_conv_kernel_dim
     state_ids, suffix_ids, image_index = [], [], []
     prefix_sources, prefix_pos, cont_sources, cont_pos = [], [], [], []
-    groups, head_parts, cand_counts, branch_counts = [], [], [], []
+    groups, branch_lists, cand_counts, branch_counts = [], [], [], []
     state_offset = 0
     for compiled in requests:
         st = compiled.state
@@ -134,7 +134,7 @@ def plan_one_pass(requests: list[CompiledRequest], config: ModelConfig) -> Plan:
             cont_pos += [positions[:, cut:], torch.arange(next_pos, next_pos + n).view(1, -1).expand(3, -1)]
             suffix_ids += br.suffix_ids
         groups.append((cut, lengths))
-        head_parts.append((branches, cut))
+        branch_lists.append(branches)
         cand_counts += [len(br.candidate_positions) for br in branches]
         branch_counts.append(len(branches))
         state_ids += st.input_ids
@@ -156,12 +156,12 @@ def plan_one_pass(requests: list[CompiledRequest], config: ModelConfig) -> Plan:
     rows_pos = torch.cat(prefix_pos + cont_pos, dim=1)[:, None, :]  # [3, 1, total_cut + T]
     # Head rows: each branch's first row (absolute position = its request's cut) in the packed part.
     starts, firsts, k = [], [], total_cut
-    for (cut, lengths), (branches, _) in zip(groups, head_parts):
+    for (cut, lengths), branches in zip(groups, branch_lists):
         for n in lengths[: len(branches)]:
             starts.append(k)
             firsts.append(cut)
             k += n
-    all_branches = [br for branches, _ in head_parts for br in branches]
+    all_branches = [br for branches in branch_lists for br in branches]
     head_index, C = head_rows(all_branches, starts, firsts)
     seq_lengths = tuple(n for _, lengths in groups for n in lengths)
     prefix_lengths = tuple(cut for cut, _ in groups)

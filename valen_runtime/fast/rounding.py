@@ -5,8 +5,8 @@ and round only at the kernel's end. torch.compile's `emulate_precision_casts` is
 eager's roundings, but measured on the H200 (torch 2.11) and on the CPU (torch 2.14) it drops some
 of them inside the GDN layer (the causal conv's cast before SiLU among them), so the compiled fast
 path stopped computing the reference's numbers. Rounding with integer ops on the bits cannot be
-fused away: `round_like(x, torch.bfloat16)` is the bf16 value nearest to fp32 x (ties to even),
-still held in fp32, so the eager cast that follows is exact.
+fused away: `round_to_bf16(x)` is the bf16 value nearest to fp32 x (ties to even), still held
+in fp32, so the cast that follows (`cast`) is exact.
 """
 
 from __future__ import annotations
