@@ -146,9 +146,10 @@ class Engine:
             except Exception as exc:  # its own answer (4xx for a RequestError); the others go on
                 prepared.append(exc)
                 continue
-            if features is not None and self.graphs is not None:
+            if features is not None and self.graphs is not None and len(requests) > 1:
                 # A graphed tower answers in its graph's own buffer, which the next image of the same
-                # grid overwrites: each request keeps a copy (queued in order, so it is this one's).
+                # grid overwrites: in a batch each request keeps a copy (queued in order, so it is
+                # this one's). Alone, its text work is queued before any later tower replays.
                 features = features.clone()
             prepared.append((compiled, features))
         ready = [p for p in prepared if not isinstance(p, Exception)]
