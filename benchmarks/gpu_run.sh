@@ -14,6 +14,7 @@
 #      checks, and every negative control (each must fail); the truth-relative GPU tests beside it.
 #      Work not started within BUDGET (default 560 s) is skipped and reported; the whole gate takes
 #      two calls (GATE_LORA=separate, then GATE_LORA="merged controls" GATE_SHARDS=4 GATE_TESTS=0).
+#   "layers": benchmarks/layer_bench.py (LAYERS_ARGS adds options, e.g. --layer gdn --case c).
 #   "serve" (not in the default STEPS; run it alone: STEPS=serve): benchmarks/serve_load.py, valen-serve under
 #   load on the 2b separate export (SERVE_ARGS adds options, e.g. --leak-requests 2000).
 set -uo pipefail
@@ -40,6 +41,11 @@ if [[ " $STEPS " == *" profile "* ]]; then
   timeout $(cap ${PROFILE_TIMEOUT:-300}) python3 benchmarks/profile_fast.py --work "$WORK" --out "$OUT/profile.json" --tables "$OUT/profile-tables" \
     ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
   grep -E "total|ready|Error|error" "$OUT/profile.log" | tail -30
+fi
+
+if [[ " $STEPS " == *" layers "* ]]; then  # one compiled one-pass layer, random 2B weights (no fixture)
+  timeout $(cap ${LAYERS_TIMEOUT:-240}) python3 benchmarks/layer_bench.py --out "$OUT/layer.json" ${LAYERS_ARGS:-} > "$OUT/layer.log" 2>&1
+  grep -E "median|us " "$OUT/layer.log" | tail -40
 fi
 
 if [[ " $STEPS " == *" latency "* ]]; then
@@ -127,5 +133,6 @@ fi
 ls -la "$OUT"
 tar -czf "$FINAL/gpu-results.tar.gz" -C "$OUT" .
 cp "$OUT/latency.json" "$FINAL/" 2>/dev/null || true
+cp "$OUT/layer.json" "$FINAL/" 2>/dev/null || true
 cp "$OUT/gate-summary.txt" "$FINAL/" 2>/dev/null || true
 cp "$OUT/serve-load.json" "$FINAL/" 2>/dev/null || true
