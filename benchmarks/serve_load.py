@@ -18,6 +18,11 @@ Every phase is bounded by its request count and its duration, so the whole run i
 
 The requests are the latency benchmark's (bench_requests.py): "text" is b_text48_choice2 (a short
 text, one choice of two), "image" a_image448_7branch (a 448 x 448 image and text, 7 branches).
+With --new-shapes the load and memory phases send each kind in varied lengths instead (a few
+words added to a question's instructions and to its first candidate, 899 combinations), as
+traffic whose questions differ does: most requests then have a token layout the server has not
+run recently, so CUDA-graph capture and the direct path show in the latencies. Their answers are
+checked for status only.
 
     python benchmarks/serve_load.py --export build/fx-export --device cpu --out serve-load.json
     python benchmarks/serve_load.py --export build/gpu-bench/export-2b-separate --device cuda --mix image:1 --concurrency 1,8 --out batched.json
@@ -41,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_requests import benchmark_requests  # noqa: E402
+from bench_requests import benchmark_requests, text_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 KINDS = {"text": "b_text48_choice2", "image": "a_image448_7branch"}
@@ -50,6 +55,25 @@ KINDS = {"text": "b_text48_choice2", "image": "a_image448_7branch"}
 def percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile of an ascending list: the smallest value with q % of the values at or below it."""
     return sorted_values[max(0, math.ceil(q / 100 * len(sorted_values)) - 1)]
+
+
+def new_shape(request: dict, i: int) -> dict:
+    """Request number i of a kind in varied lengths: k1 words added to the first question's
+    instructions and k2 to its first candidate (or to the last question's instructions when it
+    has none); (k1, k2) runs through 29 x 31 combinations before repeating."""
+    request = json.loads(json.dumps(request))
+    k1, k2 = i % 29, (i // 29) % 31
+    first = next(iter(request["questions"].values()))
+    first["instructions"] += " " + text_of(k1, i) if k1 else ""
+    criteria = first.get("criteria")
+    if k2 and isinstance(criteria, dict):
+        key = next(iter(criteria))
+        criteria[key] += " " + text_of(k2, i + 1)
+    elif k2 and isinstance(criteria, list):
+        criteria[0] += " " + text_of(k2, i + 1)
+    elif k2:
+        list(request["questions"].values())[-1]["instructions"] += " " + text_of(k2, i + 1)
+    return request
 
 
 def summarize(samples: list[float]) -> dict:
@@ -202,8 +226,9 @@ def compare_variants(expected: dict[str, bytes], answers: dict[str, set[bytes]])
 
 
 async def run_phase(port: int, bodies: dict[str, bytes], expected: dict[str, bytes], schedule: list[str], concurrency: int,
-                    max_requests: int, max_seconds: float, on_progress=None) -> dict:
-    """Closed loop: `concurrency` connections, each sends its next request when its last one is answered."""
+                    max_requests: int, max_seconds: float, on_progress=None, vary=None) -> dict:
+    """Closed loop: `concurrency` connections, each sends its next request when its last one is answered.
+    vary(kind, i) -> body: request i in varied lengths (--new-shapes); their answers are not compared."""
     issued = 0
     latencies: dict[str, list[float]] = {kind: [] for kind in bodies}
     statuses: dict[str, int] = {}
@@ -216,18 +241,20 @@ async def run_phase(port: int, bodies: dict[str, bytes], expected: dict[str, byt
         connection = Connection(port)
         while time.perf_counter() < deadline and issued < max_requests:
             kind = schedule[issued % len(schedule)]
+            body = bodies[kind] if vary is None else vary(kind, issued)
             issued += 1
             t = time.perf_counter()
             try:
-                status, data = await connection.post(bodies[kind])
+                status, data = await connection.post(body)
             except (OSError, ValueError, IndexError, KeyError, asyncio.IncompleteReadError) as exc:
                 status, data = f"error:{type(exc).__name__}", b""
             elapsed = time.perf_counter() - t
             statuses[str(status)] = statuses.get(str(status), 0) + 1
             if status == 200:
                 latencies[kind].append(elapsed)
-                mismatches += data != expected[kind]  # without batching, the same request gets the same bytes
-                answers[kind].add(data)
+                if vary is None:
+                    mismatches += data != expected[kind]  # without batching, the same request gets the same bytes
+                    answers[kind].add(data)
             if on_progress is not None:
                 on_progress(sum(statuses.values()))
         connection.close()
@@ -238,7 +265,8 @@ async def run_phase(port: int, bodies: dict[str, bytes], expected: dict[str, byt
     answered = sum(len(v) for v in latencies.values())
     return {
         "concurrency": concurrency, "wall_s": round(wall, 3), "answered": answered, "requests_per_s": round(answered / wall, 2),
-        "statuses": statuses, "answers_differing_from_the_first": mismatches, "answer_variants": compare_variants(expected, answers),
+        "statuses": statuses, "new_shapes": vary is not None,
+        "answers_differing_from_the_first": None if vary else mismatches, "answer_variants": None if vary else compare_variants(expected, answers),
         "latency": {"all": summarize([x for v in latencies.values() for x in v]), **{k: summarize(v) for k, v in latencies.items()}},
     }
 
@@ -265,6 +293,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300, help="answers per concurrency level (at most)")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds per concurrency level (at most)")
     ap.add_argument("--mix", default="text:3,image:1", help="request kinds in the load phases, KIND:COUNT,...")
+    ap.add_argument("--new-shapes", action="store_true", help="load and memory phases: every request in varied lengths (see above)")
     ap.add_argument("--leak-requests", type=int, default=10_000)
     ap.add_argument("--leak-concurrency", type=int, default=8)
     ap.add_argument("--leak-duration", type=float, default=1800.0)
@@ -285,11 +314,14 @@ def main() -> None:
     schedule, leak_schedule = parse_mix(args.mix), parse_mix(args.leak_mix or args.mix)
     kinds = sorted(set(schedule) | set(leak_schedule))
     bodies = {k: bodies[k] for k in kinds}
+    vary = None
+    if args.new_shapes:
+        vary = lambda kind, i: json.dumps(new_shape(requests[KINDS[kind]], i), ensure_ascii=False).encode()  # noqa: E731
 
     server = Server(args.export, args.device, ["--queue-size", str(args.queue_size), *args.serve_args.split()], args.startup_timeout)
     print(f"ready after {server.startup_s:.1f} s: {json.dumps(server.info)}", flush=True)
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "server": server.info, "startup_s": round(server.startup_s, 3),
-              "mix": args.mix, "leak_mix": args.leak_mix or args.mix, "requests": {k: KINDS[k] for k in kinds},
+              "mix": args.mix, "leak_mix": args.leak_mix or args.mix, "requests": {k: KINDS[k] for k in kinds}, "new_shapes": args.new_shapes,
               "host": {"cpus": os.cpu_count(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}}
     try:
         async def post_once(body: bytes) -> tuple[int, bytes]:
@@ -315,7 +347,7 @@ def main() -> None:
 
         result["load"] = []
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
-            phase = asyncio.run(run_phase(server.port, bodies, expected, schedule, concurrency, args.requests, args.duration))
+            phase = asyncio.run(run_phase(server.port, bodies, expected, schedule, concurrency, args.requests, args.duration, vary=vary))
             phase["server_side"] = server.take_timings()
             single = next((p for p in result["load"] if p["concurrency"] == 1), None)
             if single is not None and single["requests_per_s"]:
@@ -343,7 +375,8 @@ def main() -> None:
 
         leak_t0 = time.perf_counter()
         sample(0)
-        phase = asyncio.run(run_phase(server.port, bodies, expected, leak_schedule, args.leak_concurrency, args.leak_requests, args.leak_duration, sample))
+        phase = asyncio.run(run_phase(server.port, bodies, expected, leak_schedule, args.leak_concurrency, args.leak_requests, args.leak_duration, sample,
+                                      vary=vary))
         phase["server_side"] = server.take_timings()
         sample(sum(phase["statuses"].values()), force=True)
         half = [s for s in samples if s["answered"] >= samples[-1]["answered"] / 2]
