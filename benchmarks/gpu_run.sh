@@ -13,7 +13,8 @@
 #      default CUDA configuration for the exports in GATE_LORA (default both) with their fp32 dual
 #      checks, and every negative control (each must fail); the truth-relative GPU tests beside it.
 #      Work not started within BUDGET (default 560 s) is skipped and reported; the whole gate takes
-#      two calls (GATE_LORA=separate, then GATE_LORA="merged controls" GATE_SHARDS=4 GATE_TESTS=0).
+#      three calls on one H200 (GATE_LORA=separate, GATE_LORA=merged GATE_SHARDS=3, GATE_LORA=controls: about
+#      8, 8 and 6.5 minutes; "merged controls" together overran the 10 minutes).
 #   "layers": benchmarks/layer_bench.py (LAYERS_ARGS adds options, e.g. --layer gdn --case c).
 #   "serve" (not in the default STEPS; run it alone: STEPS=serve): benchmarks/serve_load.py, valen-serve under
 #   load on the 2b separate export (SERVE_ARGS adds options, e.g. --leak-requests 2000).
