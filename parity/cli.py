@@ -167,8 +167,8 @@ def run(
     with _signals_unwind():  # so the reference's temporary folders go on SIGTERM / SIGHUP too
         try:
             for d in dtypes:
-                jobs[d] = start_reference(checkpoint, base, ids, device=options.device, dtype=d, valen_source=valen_source,
-                                          threads=threads, cache_dir=reference_cache, shards=reference_shards)
+                start_reference(checkpoint, base, ids, device=options.device, dtype=d, valen_source=valen_source,
+                                threads=threads, cache_dir=reference_cache, shards=reference_shards, started=jobs)
             runs = {role: runtime_adapter.run(export, o, requests, threads=threads) for role, o in needed_runs(gate, options).items()}
             refs = {d: job.wait() for d, job in jobs.items()}
             problems = harness.check_pins(pins_data, manifest, refs["fp32"], base)

@@ -247,8 +247,8 @@ def main(argv=None) -> int:
         if args.wait_for_references is None:
             try:
                 for d in dtypes:
-                    jobs[d] = start_reference(fx.checkpoint, fx.base, ids, device=args.device, dtype=d, threads=threads,
-                                              cache_dir=cache, shards=args.reference_shards)
+                    start_reference(fx.checkpoint, fx.base, ids, device=args.device, dtype=d, threads=threads,
+                                    cache_dir=cache, shards=args.reference_shards, started=jobs)
             except BaseException:  # the dtypes already started must not outlive a failure to start the next
                 for job in jobs.values():
                     job.stop()

@@ -197,8 +197,13 @@ def start_reference(
     cache_dir: Path | None = None,
     timeout: float | None = None,
     shards: int = 1,
+    started: dict | None = None,
 ) -> ReferenceJob:
-    """Start the reference for `requests` ([(id, wire request)]) in `shards` processes; returns at once."""
+    """Start the reference for `requests` ([(id, wire request)]) in `shards` processes; returns at once.
+
+    started: a dict the job is entered in under its dtype before any process starts, so that a
+    caller stopping its jobs on a signal finds this one even when the signal lands between this
+    function's return and the caller's own assignment."""
     if dtype not in REFERENCE_DTYPES:
         raise UsageProblem(f"reference dtype {dtype!r} is not one of {REFERENCE_DTYPES}")
     checkpoint, base = Path(checkpoint), Path(base)
@@ -207,6 +212,8 @@ def start_reference(
     size = -(-len(requests) // shards)
     parts = [requests[i : i + size] for i in range(0, len(requests), size)]
     job = ReferenceJob(dtype, [], cache_dir, timeout)
+    if started is not None:
+        started[dtype] = job
     env = isolation.clean_environment()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     if threads:

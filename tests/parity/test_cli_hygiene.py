@@ -107,3 +107,29 @@ def test_sigterm_while_the_reference_runs_removes_its_folder(tiny_fixture, tiny_
             assert str(job) not in cmdline.read_bytes().decode(errors="replace"), cmdline
         except OSError:
             pass
+
+
+def test_a_reference_job_is_registered_before_its_processes_start(tiny_fixture, tmp_path, monkeypatch):
+    """A signal may land after start_reference returns and before the caller stores the job: the
+    job must already be in the caller's dict (`started`) by then, or its worker outlives the run.
+    Here: every worker process starts only once the dict holds the job."""
+    from parity import reference_run
+
+    started, seen = {}, []
+
+    class Recorded:
+        def __init__(self, *args, **kwargs):
+            seen.append(dict(started))
+
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(reference_run.subprocess, "Popen", Recorded)
+    request = ("text/0", {"model": "valen-preview-0923", "state": "x", "questions": {"q": {"type": "noul", "instructions": "Ok?"}}})
+    job = reference_run.start_reference(tiny_fixture.checkpoint, tiny_fixture.base, [request, request], dtype="fp32",
+                                        workdir=tmp_path, shards=2, started=started)
+    assert started == {"fp32": job} and len(seen) == 2 and all(s == {"fp32": job} for s in seen)
+    job.remove_temporary()
