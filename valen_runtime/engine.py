@@ -119,14 +119,17 @@ class Engine:
     def run(self, request: dict) -> RunResult:
         t0 = time.perf_counter()
         compiled, features = self.prepare(request)
-        t1 = time.perf_counter()
+        # prepare_s: request parsing, image decoding and tokenization (plus queuing the vision tower);
+        # model_s: the rest of the device work, until the logits are ready.
+        return self._execute_and_finish(compiled, features, {"prepare_s": time.perf_counter() - t0})
+
+    def _execute_and_finish(self, compiled: CompiledRequest, features: torch.Tensor | None, timings: dict) -> RunResult:
+        """The device work of one prepared request, awaited, then its answers; timings gains model_s."""
+        t0 = time.perf_counter()
         logits = self.execute(compiled, features)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        # prepare_s: request parsing, image decoding and tokenization (plus queuing the vision tower);
-        # model_s: the rest of the device work, until the logits are ready.
-        return self.finish(compiled, logits, {"prepare_s": t1 - t0, "model_s": t2 - t1})
+        return self.finish(compiled, logits, {**timings, "model_s": time.perf_counter() - t0})
 
     def run_many(self, requests: list[dict]) -> list[RunResult | Exception]:
         """Several requests at once: each prepared alone, then those that compiled run in one sweep
@@ -200,11 +203,7 @@ class Engine:
 
     def _run_prepared(self, compiled: CompiledRequest, features: torch.Tensor | None) -> RunResult | Exception:
         try:
-            t0 = time.perf_counter()
-            logits = self.execute(compiled, features)
-            if self.model.device.type == "cuda":
-                torch.cuda.synchronize()
-            return self.finish(compiled, logits, {"model_s": time.perf_counter() - t0, "batch": 1})
+            return self._execute_and_finish(compiled, features, {"batch": 1})
         except Exception as exc:
             return exc
 
