@@ -1,5 +1,5 @@
 """One compiled decoder layer of the fast path's one-pass layout at the 2B shapes, random weights:
-its kernels (torch.profiler: count, summed time, the largest by name) and its median time, for
+its kernels (profile_fast.kernel_profile: count, summed time, the largest by name) and its median time, for
 working on the layer functions without building the 2b fixture. Not a test.
 
     python benchmarks/layer_bench.py [--case a c] [--lora separate merged] [--layer gdn attention] [--out layer.json]
@@ -23,10 +23,13 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from profile_fast import kernel_profile  # noqa: E402
 from valen_runtime.config import TextConfig  # noqa: E402
 from valen_runtime.fast.layers import compile_layer_fns, gather_weights, make_layer_fns  # noqa: E402
+from valen_runtime.fast.model import OnePass, one_pass_mask  # noqa: E402
 from valen_runtime.plan import packed_indices  # noqa: E402
 from valen_runtime.qwen35 import DecoderLayer, LoRALinear, TextRotaryEmbedding, attach_lora  # noqa: E402
 
@@ -65,9 +68,7 @@ def layer_call(cfg: TextConfig, fns, kind: str, weights, case: str, device: str,
     """A zero-argument call of the layer's one-pass function on random rows of `case`'s layout."""
     cut, lengths = CASES[case]
     K = cfg.linear_conv_kernel_dim
-    index = [t.to(device) for t in packed_indices([(cut, lengths)], K)]
-    (_, _, taps, cu_seqlens, chunk_indices, prefix_rows, _, prefix_cu_seqlens, prefix_chunks, initial, attention_rows,
-     slots) = index[:12]
+    layout = OnePass(*(t.to(device) for t in packed_indices([(cut, lengths)], K)))
     R = cut + sum(lengths)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(1, R, cfg.hidden_size, generator=gen).to(device=device, dtype=torch.bfloat16)
@@ -75,14 +76,13 @@ def layer_call(cfg: TextConfig, fns, kind: str, weights, case: str, device: str,
         conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
         conv = torch.zeros(1, conv_dim, K - 1, dtype=x.dtype, device=device)
         state = torch.zeros(1, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, device=device)
-        return lambda: fns.gdn_one_pass(x, conv, state, taps, prefix_rows, prefix_cu_seqlens, prefix_chunks, cu_seqlens, chunk_indices,
-                                        initial, weights)
-    L = attention_rows.shape[1]
+        return lambda: fns.gdn_one_pass(x, conv, state, layout.conv_taps, layout.prefix_rows, layout.prefix_cu_seqlens,
+                                        layout.prefix_chunk_indices, layout.cu_seqlens, layout.chunk_indices,
+                                        layout.initial_state_index, weights)
     positions = torch.arange(R, device=device).view(1, 1, -1).expand(3, 1, -1)
     cos, sin = TextRotaryEmbedding(cfg).to(device)(x, positions)
-    mask = torch.zeros(1, 1, L, L, dtype=x.dtype, device=device)
-    mask.masked_fill_(torch.ones(L, L, dtype=torch.bool, device=device).triu(1), torch.finfo(x.dtype).min)
-    return lambda: fns.attention_one_pass(x, cos, sin, mask, attention_rows, slots, weights)
+    mask = one_pass_mask(layout, x.dtype, x.device)  # the tree mask the runtime builds
+    return lambda: fns.attention_one_pass(x, cos, sin, mask, layout.attention_rows, layout.attention_slots, weights)
 
 
 def measure(call, device: str, iters: int) -> dict:
@@ -98,18 +98,7 @@ def measure(call, device: str, iters: int) -> dict:
         times.append((time.perf_counter() - t) * 1e3)
     result = {"median_ms": statistics.median(times)}
     if device == "cuda":
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            call()
-            sync()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        by_name: dict[str, list[float]] = {}
-        for e in kernels:
-            by_name.setdefault(e.name, []).append(e.device_time)
-        top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:15]
-        result.update(kernels=len(kernels), kernel_time_ms=sum(e.device_time for e in kernels) / 1e3,
-                      top=[{"name": n[:140], "count": len(v), "total_us": round(sum(v), 1)} for n, v in top])
+        result.update(kernel_profile(call)[0])
     return result
 
 

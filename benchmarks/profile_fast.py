@@ -65,12 +65,14 @@ def graph_replays(engine, iters: int = 20) -> dict:
     return out
 
 
-def kernel_profile(engine, req) -> tuple[dict, str]:
+def kernel_profile(call) -> tuple[dict, str]:
+    """torch.profiler over one `call()`: kernel count, summed kernel time and the largest kernels
+    by name (memcpy / memset counted apart), and the profiler's own table."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        engine.run(req)
+        call()
         sync()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels = [e for e in events if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
@@ -125,7 +127,7 @@ def main() -> None:
             runs = [phases(engine, req) for _ in range(args.iters)]
             entry = {"warmup_s": warm_s, "phases_ms": {k: statistics.median(r[k] for r in runs) * 1e3 for k in runs[0]}}
             entry["graph_replay_ms"] = graph_replays(engine)
-            entry["profile"], table = kernel_profile(engine, req)
+            entry["profile"], table = kernel_profile(lambda: engine.run(req))
             if args.tables:
                 args.tables.mkdir(parents=True, exist_ok=True)
                 (args.tables / f"{name}-{config.replace(' ', '_').replace('+', '_')}.txt").write_text(table)
