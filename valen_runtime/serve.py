@@ -206,12 +206,14 @@ class Executor:
                                 "kernels": dict(engine.kernels), "cuda_graphs": engine.graphs is not None,
                                 "max_batch": self.max_batch if batches else 1}
             t1 = time.perf_counter()
-            for request in self._warmup:
-                engine.run(request)
-            for group in warmup_batches(self._warmup, self.max_batch) if batches else []:
-                for result in engine.run_many(group):
-                    if isinstance(result, Exception):
-                        raise result
+            # CUDA graphs capture a shape on its second use (fast/graphs.py): run everything twice.
+            for _ in range(2 if engine.graphs is not None else 1):
+                for request in self._warmup:
+                    engine.run(request)
+                for group in warmup_batches(self._warmup, self.max_batch) if batches else []:
+                    for result in engine.run_many(group):
+                        if isinstance(result, Exception):
+                            raise result
             self.timings = {"load_s": t1 - t0, "warmup_s": time.perf_counter() - t1}
         except BaseException as exc:  # handed to start(), which raises it in the main thread
             self.error = exc

@@ -251,7 +251,7 @@ def test_cuda_paths_agree_with_per_branch(tiny_export, short_request, long_image
         for kernels, graphs in (("torch", False), ("fast", False), ("fast", True)):
             eng = Engine.load(tiny_export["separate"], EngineOptions(device="cuda", dtype=dtype, mode="shared-prefix", kernels=kernels, graphs=graphs))
             for request, base in zip((short_request, long_image_request), bases):
-                for _ in range(3):  # graphs: capture on the first call, replay after
+                for _ in range(3):  # graphs: run directly, capture, replay
                     res = eng.run(request)
                 # fp32: FLA/SDPA/fused layers reorder sums (TF32 off); bf16: per-branch vs
                 # shared-prefix chunking and the fast layers' rounding
@@ -296,7 +296,7 @@ def test_batched_one_pass_on_cuda_is_as_accurate_as_each_alone(tiny_export, batc
     export = tiny_export["separate"]
     fast = Engine.load(export, EngineOptions(device="cuda", dtype="bf16"))
     assert fast.batches and fast.graphs is not None and fast.fast.compiled and fast.kernels["gated_delta"].startswith("fla")
-    runs = [fast.run_many(batch_requests) for _ in range(3)]  # capture on the first, replays after
+    runs = [fast.run_many(batch_requests) for _ in range(3)]  # run directly, capture, replay
     assert all(r.timings["batch"] == len(batch_requests) for r in runs[-1])
     for a, b in zip(runs[1], runs[2]):
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))

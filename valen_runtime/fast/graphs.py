@@ -10,16 +10,19 @@ import torch
 
 
 class GraphCache:
-    """Capture `fn(*inputs) -> tuple of tensors` per shape key and replay it.
+    """Capture `fn(*inputs) -> tuple of tensors` per shape key on its second use, and replay it.
 
-    Inputs are copied into static buffers; outputs are the graph's own buffers, valid until the
-    next replay of the same key (callers use them before the next request). The first call of a
-    key warms up on a side stream (Triton autotuning, cuBLAS handles), then captures. Each entry
+    A key's first use runs `fn` directly: a capture costs several direct runs (a warm-up run and
+    the capture itself, ≈ 4× a direct run for the 7-branch image request), and a server sees many
+    shapes only once. The second use warms up on a side stream and captures; later uses replay.
+    Inputs are copied into static buffers; a replay's outputs are the graph's own buffers, valid
+    until the next replay of the same key (callers use them before the next request). Each entry
     keeps `fn`, so tensors `fn` closes over (which the graph reads) live as long as the graph.
     """
 
     def __init__(self, pool=None, max_graphs: int = 64):
         self.graphs: OrderedDict = OrderedDict()  # least recently replayed first
+        self.seen: OrderedDict = OrderedDict()  # keys run once, not captured (bounded like graphs)
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.max_graphs = max_graphs
 
@@ -33,22 +36,33 @@ class GraphCache:
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)
+        elif key not in self.seen:
+            self.seen[key] = None
+            while len(self.seen) > 4 * self.max_graphs:
+                self.seen.popitem(last=False)
+            return fn(*inputs)
         else:
-            while len(self.graphs) >= self.max_graphs:  # a server sees unbounded shape variety
-                self.graphs.popitem(last=False)
-            static_in = [t.clone() for t in inputs]
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    fn(*static_in)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                static_out = fn(*static_in)
-            entry = self.graphs[key] = (graph, static_in, static_out, fn)
+            del self.seen[key]
+            entry = self._capture(key, fn, inputs)
         graph, static_in, static_out, _ = entry
         for dst, src in zip(static_in, inputs):
             dst.copy_(src, non_blocking=True)
         graph.replay()
         return static_out
+
+    def _capture(self, key, fn: Callable, inputs: list[torch.Tensor]):
+        while len(self.graphs) >= self.max_graphs:  # a server sees unbounded shape variety
+            self.graphs.popitem(last=False)
+        static_in = [t.clone() for t in inputs]
+        # One run on a side stream first, as torch.cuda.graph asks (lazy allocations, cuBLAS
+        # workspaces); Triton's autotuning already ran in the key's direct first use.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(*static_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static_out = fn(*static_in)
+        entry = self.graphs[key] = (graph, static_in, static_out, fn)
+        return entry
