@@ -73,10 +73,8 @@ def layer_call(cfg: TextConfig, fns, kind: str, weights, case: str, device: str,
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(1, R, cfg.hidden_size, generator=gen).to(device=device, dtype=torch.bfloat16)
     if kind == "linear_attention":
-        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        conv = torch.zeros(1, conv_dim, K - 1, dtype=x.dtype, device=device)
         state = torch.zeros(1, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, device=device)
-        return lambda: fns.gdn_one_pass(x, conv, state, layout.conv_taps, layout.prefix_rows, layout.prefix_cu_seqlens,
+        return lambda: fns.gdn_one_pass(x, state, layout.conv_taps, layout.prefix_rows, layout.prefix_cu_seqlens,
                                         layout.prefix_chunk_indices, layout.cu_seqlens, layout.chunk_indices,
                                         layout.initial_state_index, weights)
     positions = torch.arange(R, device=device).view(1, 1, -1).expand(3, 1, -1)

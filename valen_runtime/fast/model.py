@@ -150,7 +150,7 @@ class FastText:
         own rows, masked by `one_pass_mask`."""
         cos, sin = self.rotary_emb(rows, position_ids)  # [1, R, R_rot]
         mask = one_pass_mask(layout, rows.dtype, rows.device)  # [m, 1, L, L]
-        zero_conv, zero_state = self._zero_history(1, rows)
+        _, zero_state = self._zero_history(1, rows)
         for t, dims in ((layout.conv_taps, (1,)), (layout.cu_seqlens, (0,)), (layout.chunk_indices, (0,)), (layout.prefix_rows, (0,)),
                         (layout.prefix_cu_seqlens, (0,)), (layout.prefix_chunk_indices, (0,)), (layout.initial_state_index, (0,)),
                         (layout.attention_rows, (0, 1)), (layout.attention_slots, (0,)), (mask, (0, 2, 3))):
@@ -159,7 +159,7 @@ class FastText:
         for i, w in enumerate(self.layer_weights):
             if self.config.layer_types[i] == "linear_attention":
                 _dynamic(h, 0, 1)
-                h = self.fns.gdn_one_pass(h, zero_conv, zero_state, layout.conv_taps, layout.prefix_rows, layout.prefix_cu_seqlens,
+                h = self.fns.gdn_one_pass(h, zero_state, layout.conv_taps, layout.prefix_rows, layout.prefix_cu_seqlens,
                                           layout.prefix_chunk_indices, layout.cu_seqlens, layout.chunk_indices,
                                           layout.initial_state_index, w)
             else:

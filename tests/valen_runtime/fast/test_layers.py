@@ -108,21 +108,35 @@ def test_causal_conv_continues_exactly_like_one_pass():
 
 
 def test_tap_indexed_conv_equals_one_conv_per_sequence():
-    """Sequences packed in one row, all continuing the same history: the tap index (as
-    plan.packed_indices builds it) reads each one's own rows, or the shared history before its start."""
+    """Prefixes and continuations packed in one row (as plan.packed_indices lays them out): the tap
+    index reads each sequence's own rows, before its start its prefix's last rows, or zeros."""
     from valen_runtime.plan import packed_indices
 
     gen = torch.Generator().manual_seed(8)
-    C, K, lengths = 6, 4, [5, 1, 70, 3]
+    C, K = 6, 4
+    groups = [(64, [5, 1, 70]), (0, [3, 2]), (128, [1, 9])]  # prefixed, without a prefix, prefixed again
     weight = torch.randn(C, 1, K, generator=gen)
-    prev = torch.randn(1, C, K - 1, generator=gen)
-    mixed = torch.randn(1, sum(lengths), C, generator=gen)
-    _, offsets, taps, cu = packed_indices([(0, lengths)], K)[:4]
-    packed = causal_conv_silu_taps(mixed, prev, weight, taps)
-    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        want, _ = causal_conv_silu(mixed[:, start:end], prev, weight)
-        # Same products in the same order; vectorised kernels may fuse a multiply-add differently (1 ulp).
-        torch.testing.assert_close(packed[:, start:end], want, rtol=1e-6, atol=1e-7)
+    R = sum(cut + sum(lengths) for cut, lengths in groups)
+    mixed = torch.randn(1, R, C, generator=gen)
+    _, _, taps, cu = packed_indices(groups, K)[:4]
+    packed = causal_conv_silu_taps(mixed, weight, taps)
+    zeros = torch.zeros(1, C, K - 1)
+    prefix_ends, row = [], 0
+    for cut, _ in groups:
+        want, _ = causal_conv_silu(mixed[:, row : row + cut], zeros, weight)
+        torch.testing.assert_close(packed[:, row : row + cut], want, rtol=1e-6, atol=1e-7)
+        row += cut
+        prefix_ends.append(row)
+    total_cut, sequence = row, 0
+    for (cut, lengths), end in zip(groups, prefix_ends):
+        history = mixed[:, end - (K - 1) : end].transpose(1, 2) if cut else zeros  # [1, C, K-1]
+        for _ in lengths:
+            start, stop = total_cut + cu[sequence].item(), total_cut + cu[sequence + 1].item()
+            want, _ = causal_conv_silu(mixed[:, start:stop], history, weight)
+            # Same products in the same order; vectorised kernels may fuse a multiply-add differently (1 ulp).
+            torch.testing.assert_close(packed[:, start:stop], want, rtol=1e-6, atol=1e-7)
+            sequence += 1
+    assert sequence == len(cu) - 1
 
 
 @pytest.mark.slow
@@ -170,11 +184,11 @@ def test_compiled_bf16_layers_equal_the_eager_ones_bit_for_bit(tiny_export, emul
     row = random_rows(text, 1, 64 + 45 + 9, seed=9)  # two requests: a 64-row prefix with two continuations, one without
     index = packed_indices([(64, [20, 25]), (0, [9])], K)
     taps, cu_seqlens, chunk_indices, prefix_rows, prefix_cu_seqlens, prefix_chunks, initial = (index[i] for i in (2, 3, 4, 5, 7, 8, 9))
-    one_conv, one_state = text._zero_history(1, row)
+    _, one_state = text._zero_history(1, row)
     calls = {
         "gdn": lambda f: f.gdn(x, conv_zero, state_zero, text.layer_weights[gdn]),
         "attention": lambda f: f.attention(x, cos, sin, mask, None, None, text.layer_weights[attention]),
-        "gdn one-pass": lambda f: f.gdn_one_pass(row, one_conv, one_state, taps, prefix_rows, prefix_cu_seqlens, prefix_chunks,
+        "gdn one-pass": lambda f: f.gdn_one_pass(row, one_state, taps, prefix_rows, prefix_cu_seqlens, prefix_chunks,
                                                  cu_seqlens, chunk_indices, initial, text.layer_weights[gdn]),
     }
     from valen_runtime.fast.model import vision_block
