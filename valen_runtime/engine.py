@@ -280,15 +280,14 @@ class Engine:
         images = [f for f in features if f is not None]  # in request order, as the plan's image indices
         if images:
             inputs.append(images[0] if len(images) == 1 else torch.cat(images))
-        if plan.kind == "batch":
-            forward = functools.partial(self._batch_logits, plan.sizes)
-        else:
-            forward = functools.partial(self._one_pass_logits, plan.sizes)
+        layouts = {"rows": self._rows_logits, "batch": self._batch_logits, "one-pass": self._one_pass_logits}
+        forward = functools.partial(layouts[plan.kind], plan.sizes)
         if self.graphs is None:
             (logits,) = forward(*inputs)
         else:
             (logits,) = self.graphs.run((plan.kind, *plan.sizes), forward, inputs)
-        per_branch = iter(logits.split(plan.candidates_per_branch))  # [K_b] per branch of every request
+        # [K_b] per branch of every request; a bucketed plan's pad candidates follow the real ones.
+        per_branch = iter(logits[: sum(plan.candidates_per_branch)].split(plan.candidates_per_branch))
         out = []
         for c in compiled:
             out.append([torch.cat([next(per_branch) for _ in q.branches]) for q in c.questions])
@@ -296,15 +295,21 @@ class Engine:
 
     # The device functions of the two layouts and their pieces (capturable: no host work).
 
+    def _rows_logits(self, sizes, row_ids, rows_pos, image_index, head_index, features=None):
+        """The rows layout: every branch a whole row of state + suffix, one batched forward -> logits [C] fp32."""
+        N, L, C, _ = sizes
+        embeds = self.text.embed(row_ids)  # [N, L, H]
+        if features is not None:  # each row's copy of the image features, in order
+            flat = embeds.reshape(N * L, -1).index_copy(0, image_index, features.to(embeds.dtype).repeat(N, 1))
+            embeds = flat.view(N, L, -1)
+        return self._head_logits(self.text(embeds, rows_pos).reshape(N * L, -1), head_index, C, N)
+
     def _batch_logits(self, sizes, state_ids, prefix_pos, suffix_ids, rows_pos, image_index, head_index, features=None):
         """The batch layout: the prefix once, then the branches as a right-padded batch -> logits [C] fp32."""
         P, cut, N, L, C, _ = sizes
         embeds = self._state_embeds(state_ids, image_index, features)  # [1, P, H]
         rows = torch.cat([embeds[:, cut:].expand(N, -1, -1), self.text.embed(suffix_ids)], dim=1)  # [N, L, H]
-        if cut == 0:
-            hidden = self.text(rows, rows_pos)  # nothing to share: one batched forward
-        else:
-            hidden = self.text(rows, rows_pos, cache=self._prefix_cache(embeds[:, :cut], prefix_pos).expand(N))
+        hidden = self.text(rows, rows_pos, cache=self._prefix_cache(embeds[:, :cut], prefix_pos).expand(N))
         return self._head_logits(hidden.reshape(N * L, -1), head_index, C, N)
 
     def _one_pass_logits(self, sizes, state_ids, suffix_ids, source, rows_pos, image_index, head_index, *layout_and_features):

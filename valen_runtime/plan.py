@@ -2,7 +2,8 @@
 
 The state's shared part ends on a chunk boundary of the delta rule (64 tokens), so every branch
 sees the reference's chunking; each branch then runs the state tail (< 64 tokens) plus its own
-suffix. Two layouts compute the same function:
+suffix. A state under 64 tokens has nothing to share: its branches run as whole rows of state +
+suffix in one batched forward ("rows"). Otherwise two layouts compute the same function:
 
 - "batch": the prefix in one forward (its per-layer state cached), then the branches as a
   right-padded batch continuing from it. Runs on the reference modules and on the fast model.
@@ -11,10 +12,12 @@ suffix. Two layouts compute the same function:
   requests can share one sweep (`plan_one_pass`): their prefixes lead, then all their
   continuations, each continuing its own request's prefix. Alone, a request runs it when its
   prefix holds at least K-1 rows (a whole conv history); a state under 64 tokens has none, and its
-  branches run as the batch layout from position 0 (measured faster there than packing them);
-  beside other requests it joins their sweep, its branches starting from a zero state.
+  branches run as rows (measured faster there than packing them); beside other requests it joins
+  their sweep, its branches starting from a zero state.
 
-Nothing here touches the device or the model; `Plan.sizes` is also the CUDA-graph key.
+Nothing here touches the device or the model; `Plan.sizes` is also the CUDA-graph key. Sizes that
+vary with the questions' lengths are rounded up to rungs of `bucket` (pads read by no real row),
+so requests that differ a little share one key, and so one CUDA graph.
 """
 
 from __future__ import annotations
@@ -36,16 +39,23 @@ CHUNK = 64  # the chunk size of the reference's gated delta rule
 class Plan:
     """One or more requests' shared-prefix inputs on the host.
 
+    rows:     (a state under one chunk) parts = row ids [N, L] (state, suffix, pads), row
+              positions [3, N, L], image token indices into the flattened rows [N * n_img],
+              head rows [C + N + C]; sizes = (N, L, C, n_img), N, L and C on rungs (pad
+              branches and head rows, see `_rows`).
     batch:    parts = state ids [1, P], prefix positions [3, 1, cut], suffix ids [N, L - tail],
               row positions [3, N, L], image token indices [n_img], head rows [C + N + C];
               sizes = (P, cut, N, L, C, n_img).
     one-pass: parts = all state ids [1, P], all suffix ids [S], row sources [cut + T] (into
               [states | suffixes]), row positions [3, 1, cut + T], image token indices (into the
-              states), head rows, then the `fast.model.OnePass` fields; sizes = (P, cut, T, C,
-              n_img, N, sequence lengths, prefix lengths), P and cut summed over the requests.
+              states), head rows [C + N + C], then the `fast.model.OnePass` fields; sizes = (P,
+              cut, T, C, n_img, N, n sequences, NT chunks, L attention rows, S, prefix lengths),
+              P and cut summed over the requests; cut + T, P, C, N, n, NT, S and (with several
+              requests) L on rungs of `bucket`; C and N count pad head rows (the real
+              candidates are sum(candidates_per_branch)).
     """
 
-    kind: str  # "batch" or "one-pass": the layout this request runs
+    kind: str  # "rows", "batch" or "one-pass": the layout this request runs
     parts: list[torch.Tensor]
     sizes: tuple
     candidates_per_branch: list[int]  # every branch of every request, in request order
@@ -65,13 +75,15 @@ class Plan:
 
 def plan_shared_prefix(compiled: CompiledRequest, config: ModelConfig, one_pass: bool) -> Plan:
     """The plan for `compiled`: one-pass when asked for and the prefix holds a whole conv history,
-    else the batch layout."""
+    else rows for a state under one chunk, the batch layout otherwise."""
     st = compiled.state
     cut = (len(st.input_ids) // CHUNK) * CHUNK
     if one_pass and cut >= config.text_config.linear_conv_kernel_dim - 1:
         return plan_one_pass([compiled], config)
     positions, next_pos = _rope(compiled, config)
     branches = [br for q in compiled.questions for br in q.branches]
+    if cut == 0:
+        return _rows(compiled, branches, positions, next_pos)
     return _batch(compiled, branches, positions, next_pos, cut, _image_index(compiled))
 
 
@@ -102,15 +114,45 @@ def _batch(compiled: CompiledRequest, branches: list[Branch], positions: torch.T
     return Plan("batch", parts, sizes, [len(br.candidate_positions) for br in branches], [N])
 
 
-def plan_one_pass(requests: list[CompiledRequest], config: ModelConfig) -> Plan:
+def _rows(compiled: CompiledRequest, branches: list[Branch], positions: torch.Tensor, next_pos: int) -> Plan:
+    """A state under one chunk: nothing to share, every branch one row of state + suffix, built
+    on the host so the state's length is no shape. Rows: N on a rung of `bucket` (pad branches
+    are the state and pad tokens), L on multiples of 32 on its rungs, candidates and decisions
+    padded as `pad_head_rows`."""
+    st = compiled.state
+    P = len(st.input_ids)
+    N = bucket(len(branches))
+    L = 32 * bucket(-(-(P + max(len(br.suffix_ids) for br in branches)) // 32))
+    pad_id = branches[0].suffix_ids[-1]
+    suffixes = [br.suffix_ids for br in branches] + [[]] * (N - len(branches))
+    # Right padding is exact for the real tokens: every layer is causal, so a pad token never
+    # influences an earlier position.
+    row_ids = torch.tensor([st.input_ids + s + [pad_id] * (L - P - len(s)) for s in suffixes])  # [N, L]
+    rows_pos = torch.cat([positions[:, None, :].expand(3, N, -1), torch.arange(next_pos, next_pos + L - P).view(1, 1, -1).expand(3, N, -1)],
+                         dim=2)  # [3, N, L]
+    image_index = (_image_index(compiled)[None, :] + L * torch.arange(N)[:, None]).reshape(-1)  # every row's copy [N * n_img]
+    head_index, C = head_rows(branches, [k * L for k in range(len(branches))], [0] * len(branches))
+    head_index, C, N_head = pad_head_rows(head_index, C, len(branches))
+    assert N_head == N
+    return Plan("rows", [row_ids, rows_pos, image_index, head_index], (N, L, C, len(image_index) // N), [len(br.candidate_positions) for br in branches],
+                [len(branches)])
+
+
+def plan_one_pass(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = True) -> Plan:
     """The one-pass layout for one or several requests, swept through the layers together:
     [each request's prefix, back to back | every branch's continuation of every request, packed |
-    one pad sequence rounding the packed part T up to a multiple of 8].
+    pad sequences].
 
     A request's prefix is its state's chunk-aligned part (cut, a multiple of 64); its branches
     continue from it with the state tail and their suffix. A request whose state is under 64
-    tokens has no prefix: its branches run state + suffix from a zero state (as the batch layout
-    with cut 0 does). Rows take their embedding from [all states (sum P) | all suffixes (S)]."""
+    tokens has no prefix: its branches run state + suffix from a zero state (as the rows layout
+    with cut 0 does). Rows take their embedding from [all states | all suffixes].
+
+    buckets: round every size but the prefixes and image tokens up to a rung of `bucket`, so
+    requests whose questions differ a little share one shape (one CUDA graph, see `Plan.sizes`):
+    pad sequences (`pad_sequences`) continue the last request and are read by no real row, pad
+    head rows (`pad_head_rows`) answer logits the engine drops. Off, one pad sequence rounds the
+    packed rows up to a multiple of 8."""
     K = config.text_config.linear_conv_kernel_dim
     state_ids, suffix_ids, image_index = [], [], []
     prefix_sources, prefix_pos, cont_sources, cont_pos = [], [], [], []
@@ -140,17 +182,24 @@ def plan_one_pass(requests: list[CompiledRequest], config: ModelConfig) -> Plan:
         state_ids += st.input_ids
         image_index.append(_image_index(compiled) + state_offset)
         state_offset += P
-    n_state, total_cut = len(state_ids), sum(cut for cut, _ in groups)
-    packed = sum(sum(lengths) for _, lengths in groups)
-    T = -(-packed // 8) * 8
-    pad = T - packed
-    if pad:  # the pad sequence continues the last request (never read by the head)
-        last_cut, last_lengths = groups[-1]
-        groups[-1] = (last_cut, last_lengths + [pad])
+    pad_id = requests[-1].questions[0].branches[0].suffix_ids[-1]
+    real_lengths = [n for _, lengths in groups for n in lengths]
+    if buckets:
+        pads = pad_sequences(real_lengths, prefix_rows=sum(cut for cut, _ in groups))
+    else:
+        pads = [-sum(real_lengths) % 8] if sum(real_lengths) % 8 else []
+    # The pad sequences continue the last request (its attention rows, its prefix's state); their
+    # rows read pad tokens placed after the suffixes, at positions from 0 (any valid ones).
+    groups[-1] = (groups[-1][0], groups[-1][1] + pads)
+    for pad in pads:
         cont_sources.append(-1 - torch.arange(len(suffix_ids), len(suffix_ids) + pad))
         cont_pos.append(torch.arange(0, pad).view(1, -1).expand(3, -1))
-        suffix_ids += [requests[-1].questions[0].branches[0].suffix_ids[-1]] * pad
+        suffix_ids += [pad_id] * pad
+    if buckets:  # token tables on rungs too: the extra entries are read by no row
+        state_ids += [pad_id] * (bucket(len(state_ids)) - len(state_ids))
+        suffix_ids += [pad_id] * (bucket(len(suffix_ids)) - len(suffix_ids))
     # Suffix token i sits at n_state + i of [states | suffixes]; it was written as -1 - i above.
+    n_state, total_cut = len(state_ids), sum(cut for cut, _ in groups)
     cont = torch.cat(cont_sources)
     source = torch.cat(prefix_sources + [torch.where(cont < 0, n_state - 1 - cont, cont)])  # [total_cut + T]
     rows_pos = torch.cat(prefix_pos + cont_pos, dim=1)[:, None, :]  # [3, 1, total_cut + T]
@@ -163,20 +212,92 @@ def plan_one_pass(requests: list[CompiledRequest], config: ModelConfig) -> Plan:
             k += n
     all_branches = [br for branches in branch_lists for br in branches]
     head_index, C = head_rows(all_branches, starts, firsts)
-    seq_lengths = tuple(n for _, lengths in groups for n in lengths)
-    prefix_lengths = tuple(cut for cut, _ in groups)
+    N = len(all_branches)
+    if buckets:
+        head_index, C, N = pad_head_rows(head_index, C, N)
     image_index = torch.cat(image_index)
-    # Every sequence length is part of the key: the varlen kernels' launch grids depend on them.
-    sizes = (n_state, total_cut, T, C, len(image_index), len(all_branches), seq_lengths, prefix_lengths)
-    parts = [torch.tensor([state_ids]), torch.tensor(suffix_ids, dtype=torch.int64), source, rows_pos, image_index, head_index,
-             *packed_indices(groups, K)]
+    cont_lengths = [n for _, lengths in groups for n in lengths]
+    # Attention runs per request over L rows when there are several (fast.layers); alone, over the row.
+    L = max(cut + sum(lengths) for cut, lengths in groups)
+    attention_length = bucket(L) if buckets and len(groups) > 1 else L
+    layout = packed_indices(groups, K, attention_length=attention_length)
+    # The graph key: every tensor's shape, and each launch grid (FLA's varlen kernels' grids depend
+    # on the sequence and chunk counts), follows from these; no per-sequence length is in it.
+    sizes = (n_state, total_cut, sum(cont_lengths), C, len(image_index), N, len(cont_lengths), len(layout[4]), attention_length,
+             len(suffix_ids), tuple(cut for cut, _ in groups))
+    parts = [torch.tensor([state_ids]), torch.tensor(suffix_ids, dtype=torch.int64), source, rows_pos, image_index, head_index, *layout]
     return Plan("one-pass", parts, sizes, cand_counts, branch_counts)
 
 
-def packed_indices(groups: list[tuple[int, list[int]]], K: int) -> list[torch.Tensor]:
+def bucket(n: int) -> int:
+    """The smallest rung >= n of a ladder with 8 rungs per doubling: every count up to 16, then
+    multiples of 2 up to 32, of 4 up to 64, and so on (at most 12.5 % above n)."""
+    if n <= 16:
+        return n
+    step = 1 << ((n - 1).bit_length() - 4)
+    return -(-n // step) * step
+
+
+def _chunks(length: int) -> int:
+    return -(-length // CHUNK)
+
+
+def pad_sequences(lengths: list[int], prefix_rows: int = 0) -> list[int]:
+    """Lengths of pad sequences (at least one) that bring the packed continuations `lengths` to
+    rungs of `bucket` at once in sequences, in 64-token chunks and in rows counted with the
+    `prefix_rows` before them (the whole sweep's rows, which its cost follows).
+
+    k sequences of c chunks in all hold between 64 (c - k) + k and 64 c rows, so the search takes
+    the lowest row rung, then the lowest chunk and sequence rungs that fit it. Should none fit
+    within the rungs searched, one pad sequence rounds the rows up to a multiple of 8 (a shape
+    of its own, still correct)."""
+    rows, sequences, chunks = sum(lengths), len(lengths), sum(_chunks(n) for n in lengths)
+    T = bucket(prefix_rows + rows + 1)
+    for _ in range(64):
+        r = T - prefix_rows - rows
+        NT = bucket(chunks + _chunks(r))
+        for _ in range(8):
+            c = NT - chunks
+            n = bucket(sequences + 1)
+            while n - sequences <= min(r, c):
+                k = n - sequences
+                if c <= k + (r - k) // CHUNK:
+                    return _pad_lengths(r, k, c)
+                n = bucket(n + 1)
+            NT = bucket(NT + 1)
+        T = bucket(T + 1)
+    return [8 - rows % 8]
+
+
+def _pad_lengths(rows: int, k: int, chunks: int) -> list[int]:
+    """k lengths summing to `rows` whose 64-token chunks sum to `chunks` (k <= chunks,
+    64 (chunks - k) + k <= rows <= 64 chunks): the first takes the extra chunks."""
+    capacity = [CHUNK * (chunks - k + 1)] + [CHUNK] * (k - 1)
+    lengths = [CHUNK * (chunks - k) + 1] + [1] * (k - 1)
+    left = rows - sum(lengths)
+    for i in range(k):
+        more = min(left, capacity[i] - lengths[i])
+        lengths[i] += more
+        left -= more
+    assert left == 0 and sum(_chunks(n) for n in lengths) == chunks, (rows, k, chunks)
+    return lengths
+
+
+def pad_head_rows(head_index: torch.Tensor, C: int, N: int) -> tuple[torch.Tensor, int, int]:
+    """`head_rows`' [candidates (C) | decisions (N) | branch of each candidate (C)] with C and N
+    brought to rungs of `bucket`: pad candidates read row 0 against branch 0 and pad decisions row 0;
+    their logits follow the real C and are dropped. -> (head index, C', N')."""
+    Cb, Nb = bucket(C), bucket(N)
+    zeros = head_index.new_zeros
+    padded = torch.cat([head_index[:C], zeros(Cb - C), head_index[C : C + N], zeros(Nb - N), head_index[C + N :], zeros(Cb - C)])
+    return padded, Cb, Nb
+
+
+def packed_indices(groups: list[tuple[int, list[int]]], K: int, attention_length: int | None = None) -> list[torch.Tensor]:
     """The one-pass rows' indices (`fast.model.OnePass`'s fields, int64) for groups (prefix rows,
     continuation lengths): the prefixes lead back to back, then every group's continuations in
-    group order; a prefix of 0 rows means its continuations start from zero history. K: conv taps."""
+    group order; a prefix of 0 rows means its continuations start from zero history. K: conv taps;
+    attention_length: L of `attention_rows` [m, L], at least the longest group's rows (the default)."""
     assert all(cut == 0 or cut >= K - 1 for cut, _ in groups), "a prefix must hold a whole conv history"
     # Every sequence once, in row order: (length, sequence id, owner, where its history ends).
     # Prefix g is sequence -1 - g and reads zeros before its start; continuation n is sequence n
@@ -211,6 +332,8 @@ def packed_indices(groups: list[tuple[int, list[int]]], K: int) -> list[torch.Te
     # longest request's count L; slots: where each row lands in the flattened [m, L].
     per_group = [torch.nonzero(owners == g).view(-1) for g in range(len(groups))]
     L = max(len(r) for r in per_group)
+    assert attention_length is None or attention_length >= L, (attention_length, L)
+    L = attention_length or L
     attention_rows = torch.stack([torch.cat([r, torch.full((L - len(r),), -1)]) for r in per_group])  # [m, L]
     slots = torch.empty(R, dtype=torch.int64)
     for g, r in enumerate(per_group):

@@ -159,6 +159,29 @@ def test_shared_prefix_equals_per_branch_fp32_cpu(tiny_export, short_request, lo
     assert shared_prefix.plan(shared.compiled).sizes[1] > 0  # a prefix phase ran
 
 
+def test_an_image_state_under_one_chunk_runs_as_rows_fp32_cpu(tiny_export, short_request, roundoff_bound):
+    """With a media minimum that leaves an image under 64 tokens, the rows layout scatters the
+    image features into every row: shared-prefix (reference modules and fast layers) equals
+    per-branch up to fp32 round-off."""
+    from valen_runtime.request import Compiler
+
+    from .conftest import png_data_url
+
+    request = dict(short_request, state={"image": png_data_url(40, 24)})
+    engines = {}
+    for mode, kernels in (("per-branch", "torch"), ("shared-prefix", "torch"), ("shared-prefix", "fast")):
+        base = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode=mode, kernels=kernels))
+        small = Compiler(base.compiler.tokenizer, base.compiler.image_config, media_kwargs={"min_pixels": 1024, "max_pixels": 4096})
+        engines[mode, kernels] = Engine(base.model, small, base.options)
+    per_branch = engines["per-branch", "torch"]
+    compiled = per_branch.compiler.compile(request)
+    assert engines["shared-prefix", "fast"].plan(compiled).kind == "rows" and sum(compiled.state.mm_token_type_ids) > 0
+    want = per_branch.run(request).logits
+    bound = engine_fp32_bound(roundoff_bound, per_branch, request)
+    for key in (("shared-prefix", "torch"), ("shared-prefix", "fast")):
+        assert max_diff(want, engines[key].run(request).logits) <= bound, key
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fast_layouts_compute_the_reference_function_cpu(tiny_export, short_request, long_image_request, dtype, roundoff_bound):
     """The fast engine (its one-pass layout, and its batch layout on the same plan) against the
@@ -180,7 +203,7 @@ def test_fast_layouts_compute_the_reference_function_cpu(tiny_export, short_requ
             assert max_diff(logits, want.logits) <= atol and max_diff(logits, base.logits) <= atol, (dtype, logits, want.logits)
         assert got.response["usage"] == base.response["usage"]
     assert fast.plan(fast.compiler.compile(long_image_request)).kind == "one-pass"
-    assert fast.plan(fast.compiler.compile(short_request)).kind == "batch"  # no chunk-aligned prefix to share
+    assert fast.plan(fast.compiler.compile(short_request)).kind == "rows"  # no chunk-aligned prefix to share
 
 
 def plan_for(engine, compiled, one_pass: bool):
@@ -207,6 +230,32 @@ def one_pass_accuracy(export, request, device: str, compile: bool) -> None:
 
 def test_one_pass_is_as_accurate_as_per_branch_cpu(tiny_export, long_image_request):
     one_pass_accuracy(tiny_export["separate"], long_image_request, "cpu", compile=False)
+
+
+def test_pad_rows_and_head_rows_change_real_logits_by_round_off_only_cpu(tiny_export, batch_requests, roundoff_bound):
+    """The fast one-pass layout with shape buckets (pad sequences continuing the last request, pad
+    head rows, longer token tables) against the same plan without them, alone and batched, fp32.
+    Pads are rows no real row attends or reads, so only summation order may move: attention's
+    kernels block the keys by sequence length (measured 1.4e-6 on a hidden state here), hence
+    the round-off bound of engine_fp32_bound, not bit equality. Each request gets one extra
+    question so the continuations and candidates are off the rungs."""
+    from valen_runtime.plan import plan_one_pass
+
+    engine = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast"))
+    assert engine.one_pass
+    extra = {"extra": {"type": "noul", "instructions": "Was it charged " + "twice " * 5 + "?"}}
+    requests = [dict(r, questions={**r["questions"], **extra}) for r in batch_requests]
+    bounds = [engine_fp32_bound(roundoff_bound, engine, r) for r in requests]
+    for group in ([0], [2], [0, 1, 2, 3], [1, 2]):
+        prepared = [engine.prepare(requests[i]) for i in group]
+        compiled, features = [c for c, _ in prepared], [f for _, f in prepared]
+        padded = plan_one_pass(compiled, engine.model.config)
+        plain = plan_one_pass(compiled, engine.model.config, buckets=False)
+        assert padded.sizes != plain.sizes  # pads were added
+        got = engine.execute_plan_many(compiled, padded, features)
+        want = engine.execute_plan_many(compiled, plain, features)
+        for i, a, b in zip(group, got, want):
+            assert max_diff(a, b) <= bounds[i], (group, i, a, b)
 
 
 @pytest.mark.slow
@@ -282,6 +331,50 @@ def test_graph_replay_is_bitwise_equal_to_direct_execution(tiny_export, short_re
     graphed.run(short_request)
     graphed.run(long_image_request)
     assert len(graphed.graphs) == captured  # the same shapes replay, nothing new is captured
+
+
+def with_longer_question(request: dict, words: int) -> dict:
+    """`request` with its first question's instructions `words` words longer."""
+    questions = {k: dict(v) for k, v in request["questions"].items()}
+    first = next(iter(questions))
+    questions[first]["instructions"] += " please" * words
+    return dict(request, questions=questions)
+
+
+@gpu
+@pytest.mark.parametrize("grouped", [False, True], ids=["alone", "batched"])
+def test_layouts_of_one_graph_key_replay_bitwise_as_run_directly(tiny_export, batch_requests, grouped):
+    """Shape buckets: two requests (or batches) whose questions differ in length fall on one graph
+    key; the graph captured for the first, replayed with the second's inputs (other sequence
+    lengths, head rows, tokens), computes the bits the compiled layers compute run directly. This
+    is what holds if no host-side value (a sequence length, a launch grid) is baked into the graph
+    beyond `Plan.sizes`."""
+    from valen_runtime.fast.kernels import fla_available
+    from valen_runtime.plan import plan_one_pass
+
+    if not fla_available():
+        pytest.skip("flash-linear-attention not importable: CUDA runs the batch layout")
+    export = tiny_export["separate"]
+    graphed = Engine.load(export, EngineOptions(device="cuda", dtype="bf16"))
+    direct = Engine.load(export, EngineOptions(device="cuda", dtype="bf16", graphs=False))
+    base = batch_requests if grouped else [batch_requests[0]]
+    by_key: dict = {}
+    for words in range(0, 60):
+        group = [with_longer_question(r, words) for r in base]
+        compiled = [graphed.compiler.compile(r) for r in group]
+        plan = plan_one_pass(compiled, graphed.model.config)
+        lengths = tuple(plan.parts[9].tolist())  # cu_seqlens: the real layout
+        by_key.setdefault(plan.sizes, {}).setdefault(lengths, group)
+    first, second = next(groups for groups in map(list, (v.values() for v in by_key.values())) if len(groups) > 1)[:2]
+    run = (lambda e, g: e.run_many(g)) if grouped else (lambda e, g: [e.run(g[0])])
+    run(graphed, first)  # direct
+    run(graphed, first)  # captured
+    captured = len(graphed.graphs)
+    got = run(graphed, second)  # replays the first's graph
+    assert len(graphed.graphs) == captured and all(r.timings.get("batch", 1) == len(first) for r in got)
+    want = run(direct, second)
+    for a, b in zip(got, want):
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), (a.logits, b.logits)
 
 
 @gpu

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from valen_runtime.config import ModelConfig
-from valen_runtime.plan import CHUNK, Plan, packed_indices, plan_one_pass, plan_shared_prefix
+from valen_runtime.plan import CHUNK, Plan, bucket, packed_indices, plan_one_pass, plan_shared_prefix
 from valen_runtime.positions import rope_index
 from valen_runtime.request import Compiler
 
@@ -37,10 +37,16 @@ def branch_sequences(compiled, config):
 
 def assert_head_rows_read_the_readout_tokens(plan, compiled, config, row_ids, row_pos):
     """row_ids [R] / row_pos [3, R]: what each row of the flattened hidden states holds."""
-    head = plan.parts[5]
+    head = plan.parts[3 if plan.kind == "rows" else 5]
     branches = branch_sequences(compiled, config)
     C, N = sum(plan.candidates_per_branch), len(branches)
-    cand, dec, owner = head[:C], head[C : C + N], head[C + N :]
+    Cb, Nb = (C, N)  # with pad head rows, counted in the sizes:
+    if plan.kind == "one-pass":
+        Cb, Nb = plan.sizes[3], plan.sizes[5]
+    elif plan.kind == "rows":
+        Cb, Nb = plan.sizes[2], plan.sizes[0]
+    assert len(head) == 2 * Cb + Nb
+    cand, dec, owner = head[:C], head[Cb : Cb + N], head[Cb + Nb : Cb + Nb + C]
     k = 0
     for b, (br, ids, pos) in enumerate(branches):
         wanted = list(br.candidate_positions) + [br.decision_position]
@@ -71,10 +77,13 @@ def test_one_pass_layout_rows(setup, long_image_request):
     compiled = compiler.compile(long_image_request)
     plan = plan_shared_prefix(compiled, config, one_pass=True)
     state_ids, suffix_ids, source, rows_pos, _, _, seq_ids, offsets, taps, cu_seqlens, chunk_indices, prefix_rows, *per_request = plan.parts
-    P, cut, T, C, n_img, N, seq_lengths, prefix_lengths = plan.sizes
-    assert plan.kind == "one-pass" and cut > 0 and T % 8 == 0 and sum(seq_lengths) == T and prefix_lengths == (cut,)
-    assert len(prefix_rows) == cut and rows_pos.shape == (3, 1, cut + T) and taps.shape[1] == cut + T
-    assert cu_seqlens.tolist()[-1] == T and len(seq_lengths) in (N, N + 1)  # one pad sequence at most
+    P, cut, T, C, n_img, N, n, NT, L, S, prefix_lengths = plan.sizes
+    seq_lengths = cu_seqlens.diff().tolist()
+    branches = sum(len(q.branches) for q in compiled.questions)
+    assert plan.kind == "one-pass" and cut > 0 and sum(seq_lengths) == T and prefix_lengths == (cut,)
+    assert len(prefix_rows) == cut and rows_pos.shape == (3, 1, cut + T) and taps.shape[1] == cut + T and L == cut + T
+    assert len(seq_lengths) == n > branches and len(chunk_indices) == NT and len(suffix_ids) == S and state_ids.shape == (1, P)
+    assert all(bucket(x) == x for x in (P, cut + T, C, N, n, NT, S))  # every size on a rung (plan.bucket)
     row_ids = torch.cat([state_ids[0], suffix_ids])[source].tolist()  # the token of every row
     assert row_ids[:cut] == compiled.state.input_ids[:cut] and (seq_ids[:cut] == -1).all()
     assert_head_rows_read_the_readout_tokens(plan, compiled, config, row_ids, rows_pos[:, 0])
@@ -147,10 +156,11 @@ def test_several_requests_in_one_plan(setup, long_image_request, short_request):
     requests = [compiler.compile(r) for r in (long_image_request, short_request, text_long)]
     plan = plan_one_pass(requests, config)
     state_ids, suffix_ids, source, rows_pos, image_index, head, *layout = plan.parts
-    P, cut, T, C, n_img, N, seq_lengths, prefix_lengths = plan.sizes
+    P, cut, T, C, n_img, N, n, NT, L, S, prefix_lengths = plan.sizes
     cuts = [(len(c.state.input_ids) // CHUNK) * CHUNK for c in requests]
     assert prefix_lengths == (cuts[0], 0, cuts[2]) and cuts[0] > 0 and cuts[2] > 0 and cut == cuts[0] + cuts[2]
-    assert P == sum(len(c.state.input_ids) for c in requests) and T % 8 == 0 and sum(seq_lengths) == T
+    assert P == bucket(sum(len(c.state.input_ids) for c in requests)) and layout[3].tolist()[-1] == T and bucket(cut + T) == cut + T
+    assert layout[-2].shape == (3, L) and L == bucket(L)  # attention rows per request
     assert plan.branches_per_request == [sum(len(q.branches) for q in c.questions) for c in requests]
     types = [t for c in requests for t in c.state.mm_token_type_ids]  # image features land on the image tokens of [all states]
     assert n_img == len(image_index) > 0 and image_index.tolist() == [i for i, t in enumerate(types) if t == 1]
@@ -161,7 +171,7 @@ def test_several_requests_in_one_plan(setup, long_image_request, short_request):
         n_cand = sum(len(br.candidate_positions) for q in compiled.questions for br in q.branches)
         own = torch.cat([head[k_cand : k_cand + n_cand], head[C + k_branch : C + k_branch + n_branches],
                          head[C + N + k_cand : C + N + k_cand + n_cand] - k_branch])
-        sub = Plan("one-pass", [None] * 5 + [own], (None, 0), [len(br.candidate_positions) for q in compiled.questions for br in q.branches], [n_branches])
+        sub = Plan("batch", [None] * 5 + [own], (None, 0), [len(br.candidate_positions) for q in compiled.questions for br in q.branches], [n_branches])
         assert_head_rows_read_the_readout_tokens(sub, compiled, config, row_ids, rows_pos[:, 0])
         k_cand, k_branch = k_cand + n_cand, k_branch + n_branches
     # The prefixes lead, each its own request's first `cut` tokens and positions.
@@ -173,17 +183,29 @@ def test_several_requests_in_one_plan(setup, long_image_request, short_request):
         row += c
 
 
-def test_a_state_without_a_chunk_aligned_prefix_runs_the_batch_layout(setup, short_request):
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_a_state_under_one_chunk_runs_as_rows(setup, short_request, one_pass):
+    """Nothing to share: every branch one row of state + suffix (pads after), rows, length and
+    candidates on rungs, pad branches the state again; an image's tokens indexed in every row."""
+    from .conftest import png_data_url
+
     compiler, config = setup
-    compiled = compiler.compile(short_request)
-    assert len(compiled.state.input_ids) < CHUNK
-    plan = plan_shared_prefix(compiled, config, one_pass=True)
-    assert plan.kind == "batch" and plan.sizes[1] == 0  # no prefix to share: the branches from position 0
-    _, _, suffix_ids, rows_pos, _, _ = plan.parts
-    state_ids = plan.parts[0]
-    N = plan.sizes[2]
-    rows = torch.cat([state_ids.expand(N, -1), suffix_ids], dim=1)
-    assert_head_rows_read_the_readout_tokens(plan, compiled, config, rows.reshape(-1).tolist(), rows_pos.reshape(3, -1))
+    # The fixture's processor resizes images to at least 64 tokens; a lower minimum (a media
+    # setting) gives an image state under one chunk.
+    small = Compiler(compiler.tokenizer, compiler.image_config, media_kwargs={"min_pixels": 1024, "max_pixels": 4096})
+    for image, (by, request) in enumerate(((compiler, short_request), (small, dict(short_request, state={"image": png_data_url(40, 24)})))):
+        compiled = by.compile(request)
+        P = len(compiled.state.input_ids)
+        assert P < CHUNK and (sum(compiled.state.mm_token_type_ids) > 0) == bool(image)
+        plan = plan_shared_prefix(compiled, config, one_pass=one_pass)
+        row_ids, rows_pos, image_index, _ = plan.parts
+        N, L, C, n_img = plan.sizes
+        branches = sum(len(q.branches) for q in compiled.questions)
+        assert plan.kind == "rows" and L % 32 == 0 and bucket(L // 32) == L // 32 and N == bucket(branches) and C == bucket(C)
+        assert row_ids.shape == (N, L) and rows_pos.shape == (3, N, L) and n_img == sum(compiled.state.mm_token_type_ids)
+        assert (row_ids[:, :P] == torch.tensor(compiled.state.input_ids)).all()  # pad branches hold the state too
+        assert image_index.tolist() == [k * L + i for k in range(N) for i, t in enumerate(compiled.state.mm_token_type_ids) if t == 1]
+        assert_head_rows_read_the_readout_tokens(plan, compiled, config, row_ids.reshape(-1).tolist(), rows_pos.reshape(3, -1))
 
 
 def test_upload_returns_the_parts_in_order(setup, long_image_request):
@@ -191,3 +213,109 @@ def test_upload_returns_the_parts_in_order(setup, long_image_request):
     plan = plan_shared_prefix(compiler.compile(long_image_request), config, one_pass=True)
     for got, want in zip(plan.upload(torch.device("cpu")), plan.parts):
         assert torch.equal(got, want) and got.shape == want.shape
+
+
+# ---- shape buckets ---------------------------------------------------------------------------
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from valen_runtime.plan import pad_head_rows, pad_sequences  # noqa: E402
+
+
+def test_the_ladder_has_eight_rungs_per_doubling():
+    assert [bucket(n) for n in range(1, 18)] == list(range(1, 17)) + [18]
+    for e in range(4, 14):
+        rungs = {bucket(n) for n in range(2**e + 1, 2 ** (e + 1) + 1)}
+        assert len(rungs) == 8 and max(rungs) == 2 ** (e + 1), e
+
+
+@given(st.integers(min_value=0, max_value=10**6))
+def test_a_rung_is_the_least_at_most_an_eighth_above(n):
+    b = bucket(n)
+    assert n <= b <= max(16, n * 9 // 8 + 1) and bucket(b) == b
+    assert all(bucket(m) != m for m in range(n, b))  # no rung skipped
+
+
+def chunks(length: int) -> int:
+    return -(-length // CHUNK)
+
+
+@given(st.lists(st.integers(min_value=1, max_value=400), min_size=1, max_size=80), st.integers(0, 40).map(lambda c: 64 * c))
+def test_pad_sequences_bring_rows_sequences_and_chunks_onto_rungs(lengths, prefix_rows):
+    pads = pad_sequences(lengths, prefix_rows)
+    every = lengths + pads
+    assert pads and min(pads) >= 1
+    for total in (prefix_rows + sum(every), len(every), sum(chunks(n) for n in every)):
+        assert bucket(total) == total, (lengths, prefix_rows, pads)
+    assert sum(pads) <= max(64, prefix_rows + sum(lengths)) // 4 + 64, (lengths, pads)  # bounded growth
+
+
+def test_pad_sequences_for_many_short_continuations_and_one_long():
+    # A case an earlier, narrower search could not fit (59 one-row sequences and one of 66 rows).
+    for lengths in ([1] * 59 + [66], [1] * 127, [64] * 33, [65] * 15):
+        every = lengths + pad_sequences(lengths)
+        assert all(bucket(t) == t for t in (sum(every), len(every), sum(chunks(n) for n in every))), lengths
+
+
+def test_pad_head_rows_keep_the_real_rows_first():
+    head = torch.tensor([5, 6, 7, 100, 101, 0, 0, 1])  # C = 3 candidates, N = 2 branches
+    padded, C, N = pad_head_rows(head, 3, 2)
+    assert (C, N) == (3, 2) and torch.equal(padded, head)  # already on rungs
+    head = torch.arange(1, 36)  # C = 17, N = 1
+    padded, C, N = pad_head_rows(head, 17, 1)
+    assert (C, N) == (18, 1) and padded[:17].tolist() == head[:17].tolist() and padded[18] == head[17]
+    assert padded[19:36].tolist() == head[18:].tolist() and padded[17] == 0 and padded[36] == 0
+
+
+def variant(request: dict, words: int, extra_question: bool) -> dict:
+    """`request` with its first question's instructions `words` words longer, and maybe a second question."""
+    questions = {k: dict(v) for k, v in request["questions"].items()}
+    first = next(iter(questions))
+    questions[first]["instructions"] = questions[first]["instructions"] + " please" * words
+    if extra_question:
+        questions["extra"] = dict(questions[first], instructions="Is this " + "really " * words + "so?")
+    return dict(request, questions=questions)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["image", "text", "short"]), st.integers(0, 40), st.booleans()), min_size=1, max_size=4))
+def test_bucketed_plans_read_every_real_row_as_the_unbucketed_plan(setup, long_image_request, short_request, shapes):
+    """Random requests, alone or several in one plan: every size on a rung, and each real row holds
+    the token and position the plan without buckets gives it; pad rows are read by no real row."""
+    compiler, config = setup
+    base = {"image": long_image_request, "short": short_request,
+            "text": dict(short_request, state=" ".join(["an account of the order and its two charges"] * 7))}
+    compiled = [compiler.compile(variant(base[kind], words, extra)) for kind, words, extra in shapes]
+    padded, plain = plan_one_pass(compiled, config), plan_one_pass(compiled, config, buckets=False)
+    P, cut, T, C, n_img, N, n, NT, L, S, prefixes = padded.sizes
+    assert all(bucket(x) == x for x in (P, cut + T, C, N, n, NT, S)) and (cut, n_img, prefixes) == (plain.sizes[1], plain.sizes[4], plain.sizes[-1])
+    assert L == (bucket(L) if len(compiled) > 1 else cut + T)  # alone, attention runs over the whole row
+
+    def rows(plan):  # per row: (token, positions, sequence, offset)
+        state_ids, suffix_ids, source, rows_pos, _, _, seq_ids, offsets = plan.parts[:8]
+        return torch.cat([state_ids[0], suffix_ids])[source], rows_pos[:, 0], seq_ids, offsets
+
+    tokens, positions, seqs, offsets = rows(padded)
+    want_tokens, want_positions, want_seqs, want_offsets = rows(plain)
+    n_real = sum(padded.branches_per_request)  # real continuations come first, pads after them
+    is_real = (seqs < n_real)  # prefixes (negative ids) and real continuations
+    real_rows = torch.nonzero(is_real).view(-1)
+    plain_real = torch.nonzero(want_seqs < n_real).view(-1)
+    assert torch.equal(tokens[real_rows], want_tokens[plain_real]) and torch.equal(positions[:, real_rows], want_positions[:, plain_real])
+    assert torch.equal(seqs[real_rows], want_seqs[plain_real]) and torch.equal(offsets[real_rows], want_offsets[plain_real])
+    assert torch.equal(real_rows, plain_real)  # pads only after every real row
+    # The head reads the same rows; its pad entries follow the real ones.
+    C_real, N_real = sum(plain.candidates_per_branch), n_real
+    head, want = padded.parts[5], plain.parts[5]
+    assert torch.equal(head[:C_real], want[:C_real]) and torch.equal(head[C : C + N_real], want[C_real : C_real + N_real])
+    assert torch.equal(head[C + N : C + N + C_real], want[C_real + N_real :])
+    # Attention: no real row sees a pad row (its mask row is -inf at every pad column).
+    from valen_runtime.fast.model import OnePass, one_pass_mask
+
+    layout = OnePass(*padded.parts[6:])
+    mask = one_pass_mask(layout, torch.float32, torch.device("cpu"))[:, 0]  # [m, L, L]
+    attention_rows = layout.attention_rows
+    pad_slot = (attention_rows < 0) | ~is_real[attention_rows.clamp(min=0)]
+    real_slot = ~pad_slot
+    seen = mask == 0
+    assert not (seen & real_slot[:, :, None] & pad_slot[:, None, :]).any()

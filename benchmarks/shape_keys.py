@@ -1,0 +1,93 @@
+"""How many CUDA-graph keys the benchmark requests' varied-length variants fall on, with and
+without shape buckets (valen_runtime.plan), and what the buckets cost in rows. Host only, no model.
+
+Each kind (a)-(d) of bench_requests.py is taken in `--variants` lengths (serve_load.new_shape:
+words added to the first question and its first candidate), compiled by the export's own
+tokenizer and image processor, and planned as the CUDA default plans it (one-pass, or rows for a
+state under 64 tokens). Reported per kind: distinct keys bucketed and not, and the rows a
+bucketed plan sweeps against the unbucketed plan's (median and p95 of the ratio).
+
+    python benchmarks/shape_keys.py --export build/export-2b-separate [--variants 899] [--out keys.json]
+    python benchmarks/shape_keys.py --work build/bench            # builds the tiny preset's exports there
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_requests import benchmark_requests  # noqa: E402
+from serve_load import new_shape  # noqa: E402
+
+
+def rows_swept(plan) -> int:
+    """Rows a plan runs through the layers: prefixes + continuations, or N rows of L."""
+    if plan.kind == "one-pass":
+        return plan.sizes[1] + plan.sizes[2]
+    if plan.kind == "rows":
+        return plan.sizes[0] * plan.sizes[1]
+    return plan.sizes[1] + plan.sizes[2] * plan.sizes[3]
+
+
+def unbucketed(compiled, config, plan) -> tuple[tuple, int]:
+    """(key, rows) of the same request without buckets: one-pass with its rows rounded to 8, or a
+    short state's branches as rows of exactly its state + longest suffix rounded to 8."""
+    from valen_runtime.plan import plan_one_pass
+
+    if plan.kind == "one-pass":
+        plain = plan_one_pass([compiled], config, buckets=False)
+        return (plain.kind, *plain.sizes), rows_swept(plain)
+    branches = [br for q in compiled.questions for br in q.branches]
+    P = len(compiled.state.input_ids)
+    L = -(-(P + max(len(br.suffix_ids) for br in branches)) // 8) * 8
+    C = sum(len(br.candidate_positions) for br in branches)
+    return ("rows", P, len(branches), L, C), len(branches) * L
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--export", type=Path, help="an export folder (its tokenizer and processor are used)")
+    ap.add_argument("--work", type=Path, default=Path("build/bench"), help="where to build the tiny preset's exports without --export")
+    ap.add_argument("--variants", type=int, default=899, help="lengths per kind (serve_load.new_shape)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    from valen_runtime.config import ModelConfig
+    from valen_runtime.plan import plan_shared_prefix
+    from valen_runtime.request import Compiler
+
+    export = args.export
+    if export is None:
+        from artifacts import fixture_and_exports
+
+        export = fixture_and_exports(args.work, "tiny")[1]["separate"]
+    config = ModelConfig.from_dict(json.loads((export / "config.json").read_text()))
+    prompt = json.loads((export / "valen_export.json").read_text())["prompt"]
+    compiler = Compiler.from_dir(export, max_length=prompt["max_length"], media_kwargs=prompt.get("media_kwargs") or {})
+    report = {"export": str(export), "variants": args.variants, "kinds": {}}
+    for name, request in benchmark_requests().items():
+        keys, plain_keys, growth = set(), set(), []
+        for i in range(args.variants):
+            compiled = compiler.compile(new_shape(request, i))
+            plan = plan_shared_prefix(compiled, config, one_pass=True)
+            keys.add((plan.kind, *plan.sizes))
+            plain_key, plain_rows = unbucketed(compiled, config, plan)
+            plain_keys.add(plain_key)
+            growth.append(rows_swept(plan) / plain_rows)
+        growth.sort()
+        entry = {"layout": plan.kind, "keys": len(keys), "keys_without_buckets": len(plain_keys),
+                 "rows_growth_median": round(statistics.median(growth) - 1, 4), "rows_growth_p95": round(growth[int(0.95 * (len(growth) - 1))] - 1, 4)}
+        report["kinds"][name] = entry
+        print(f"{name}: {entry}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
