@@ -12,9 +12,9 @@
 #   gate: the parity gate on the 2b preset (docs/parity.md): the generated 210-question set in the
 #      default CUDA configuration for the exports in GATE_LORA (default both) with their fp32 dual
 #      checks, and every negative control (each must fail); the truth-relative GPU tests beside it.
-#      Work not started within BUDGET (default 560 s) is skipped and reported; the whole gate takes
-#      three calls on one H200 (GATE_LORA=separate, GATE_LORA=merged GATE_SHARDS=3, GATE_LORA=controls: about
-#      8, 8 and 6.5 minutes; "merged controls" together overran the 10 minutes).
+#      Work not started within BUDGET (default 560 s) is skipped and reported; the whole gate, both
+#      exports with their controls, fits one call on one H200: GATE_LORA="separate merged"
+#      GATE_SHARDS=4 GATE_TESTS=0 BUDGET=575 took 8.5 minutes (the reference processes are most of it).
 #   "layers": benchmarks/layer_bench.py (LAYERS_ARGS adds options, e.g. --layer gdn --case c).
 #   "serve" (not in the default STEPS; run it alone: STEPS=serve): benchmarks/serve_load.py, valen-serve under
 #   load on the 2b separate export (SERVE_ARGS adds options, e.g. --leak-requests 2000).
@@ -85,9 +85,8 @@ if [[ " $STEPS " == *" gate "* ]]; then
   # One gate process per export in GATE_LORA (default both; each compiles its own fast-path
   # variants; they share the GPU and one reference cache): the first starts the reference processes
   # (bf16 and fp32, computed once for the whole set, GATE_SHARDS processes each), the others wait
-  # for their results in the cache. The whole gate does not fit one 10-minute call: run
-  # GATE_LORA=separate, then GATE_LORA=merged while the machine is warm (the cache is reused), then
-  # GATE_ARGS=--only-controls. The fixture and exports are built first, once.
+  # for their results in the cache (kept while the machine stays warm, so a second call reuses
+  # it). The fixture and exports are built first, once.
   python3 -c "import sys; from pathlib import Path; from parity.gate import build_inputs; w = Path(sys.argv[1]); build_inputs(w, w, '2b')" "$WORK" \
     > "$OUT/gate-build.log" 2>&1 || { echo "gate: fixture build failed"; tail -5 "$OUT/gate-build.log"; }
   GATE_BUDGET=$(( $(left) - 30 ))
