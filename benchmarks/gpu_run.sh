@@ -16,7 +16,6 @@
 #      exports with their controls, fits one call on one H200: GATE_LORA="separate merged"
 #      GATE_SHARDS=4 GATE_TESTS=0 BUDGET=575 took 8.5 minutes (the reference processes are most of it).
 #   "layers": benchmarks/layer_bench.py (LAYERS_ARGS adds options, e.g. --layer gdn --case c).
-#   "lora": benchmarks/lora_bench.py, the FP32 LoRA products as run now and on bf16 tensor cores (LORA_ARGS).
 #   "serve" (not in the default STEPS; run it alone: STEPS=serve): benchmarks/serve_load.py, valen-serve under
 #   load on the 2b separate export (SERVE_ARGS adds options, e.g. --leak-requests 2000).
 set -uo pipefail
@@ -48,11 +47,6 @@ fi
 if [[ " $STEPS " == *" layers "* ]]; then  # one compiled one-pass layer, random 2B weights (no fixture)
   timeout $(cap ${LAYERS_TIMEOUT:-240}) python3 benchmarks/layer_bench.py --out "$OUT/layer.json" ${LAYERS_ARGS:-} > "$OUT/layer.log" 2>&1
   grep -E "median|us " "$OUT/layer.log" | tail -40
-fi
-
-if [[ " $STEPS " == *" lora "* ]]; then  # the FP32 LoRA products, random 2B-shaped adapters (no fixture)
-  timeout $(cap ${LORA_TIMEOUT:-180}) python3 benchmarks/lora_bench.py --out "$OUT/lora.json" ${LORA_ARGS:-} > "$OUT/lora.log" 2>&1
-  grep -E "rows" "$OUT/lora.log" | tail -24
 fi
 
 if [[ " $STEPS " == *" latency "* ]]; then
@@ -140,6 +134,5 @@ ls -la "$OUT"
 tar -czf "$FINAL/gpu-results.tar.gz" -C "$OUT" .
 cp "$OUT/latency.json" "$FINAL/" 2>/dev/null || true
 cp "$OUT/layer.json" "$FINAL/" 2>/dev/null || true
-cp "$OUT/lora.json" "$FINAL/" 2>/dev/null || true
 cp "$OUT/gate-summary.txt" "$FINAL/" 2>/dev/null || true
 cp "$OUT/serve-load.json" "$FINAL/" 2>/dev/null || true
