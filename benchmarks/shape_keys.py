@@ -4,8 +4,9 @@ without shape buckets (valen_runtime.plan), and what the buckets cost in rows. H
 Each kind (a)-(d) of bench_requests.py is taken in `--variants` lengths (serve_load.new_shape:
 words added to the first question and its first candidate), compiled by the export's own
 tokenizer and image processor, and planned as the CUDA default plans it (one-pass, or rows for a
-state under 64 tokens). Reported per kind: distinct keys bucketed and not, and the rows a
-bucketed plan sweeps against the unbucketed plan's (median and p95 of the ratio).
+state under 64 tokens). Reported per kind: distinct keys bucketed and not (the same layout
+unpadded), and the rows a bucketed plan sweeps against the unbucketed plan's (median and p95 of
+the ratio).
 
     python benchmarks/shape_keys.py --export build/export-2b-separate [--variants 899] [--out keys.json]
     python benchmarks/shape_keys.py --work build/bench            # builds the tiny preset's exports there
@@ -36,8 +37,9 @@ def rows_swept(plan) -> int:
 
 
 def unbucketed(compiled, config, plan) -> tuple[tuple, int]:
-    """(key, rows) of the same request without buckets: one-pass with its rows rounded to 8, or a
-    short state's branches as rows of exactly its state + longest suffix rounded to 8."""
+    """(key, rows) of the same layout without buckets: one-pass with its rows rounded to 8 (keyed
+    by its sizes, which hold no per-sequence length), or a short state's branches as rows of its
+    state + longest suffix rounded to 8 (keyed by branches, length, candidates, image tokens)."""
     from valen_runtime.plan import plan_one_pass
 
     if plan.kind == "one-pass":
@@ -47,7 +49,7 @@ def unbucketed(compiled, config, plan) -> tuple[tuple, int]:
     P = len(compiled.state.input_ids)
     L = -(-(P + max(len(br.suffix_ids) for br in branches)) // 8) * 8
     C = sum(len(br.candidate_positions) for br in branches)
-    return ("rows", P, len(branches), L, C), len(branches) * L
+    return ("rows", len(branches), L, C, sum(compiled.state.mm_token_type_ids)), len(branches) * L
 
 
 def main() -> None:

@@ -245,12 +245,16 @@ def _chunks(length: int) -> int:
 def pad_sequences(lengths: list[int], prefix_rows: int = 0) -> list[int]:
     """Lengths of pad sequences (at least one) that bring the packed continuations `lengths` to
     rungs of `bucket` at once in sequences, in 64-token chunks and in rows counted with the
-    `prefix_rows` before them (the whole sweep's rows, which its cost follows).
+    `prefix_rows` before them (the whole sweep's rows, which its cost follows). Always at least
+    one, even for a plan on its rungs already: that plan then shares its key with its neighbours
+    (measured: 8 keys instead of 6 over the 899 variants of (a) when such plans went unpadded).
 
     k sequences of c chunks in all hold between 64 (c - k) + k and 64 c rows, so the search takes
-    the lowest row rung, then the lowest chunk and sequence rungs that fit it. Should none fit
-    within the rungs searched, one pad sequence rounds the rows up to a multiple of 8 (a shape
-    of its own, still correct)."""
+    the lowest row rung, then the lowest chunk and sequence rungs that fit it. Each chunk the
+    chunk rung adds beyond the pad sequences' own costs 64 rows, so many continuations shorter
+    than a chunk can grow by more than the row rung's 12.5 % (up to ≈ 35 % seen for 40 rows of
+    20). Should nothing fit within the rungs searched, one pad sequence rounds the rows up to a
+    multiple of 8 (a shape of its own, still correct)."""
     rows, sequences, chunks = sum(lengths), len(lengths), sum(_chunks(n) for n in lengths)
     T = bucket(prefix_rows + rows + 1)
     for _ in range(64):

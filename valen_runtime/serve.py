@@ -95,7 +95,7 @@ def warmup_requests(full: bool) -> list[dict]:
     Basic (the upstream worker's pair): one text request and one 2 x 2 white PNG request. Full
     adds, for the CUDA fast path, each family its compiled functions and graphs specialise on,
     each at two sizes so torch.compile has made the sizes symbolic before the first client: a
-    state under 64 tokens (branches as a padded batch) and a longer one (the one-pass layout), one
+    state under 64 tokens (every branch a row of one batch) and a longer one (the one-pass layout), one
     branch and several (choice, noul, score), and images of two sizes (the vision tower).
     """
     words = ("the agent reviewed the order and found two identical charges on the card while "
@@ -117,7 +117,7 @@ def warmup_requests(full: bool) -> list[dict]:
         "blocked": {"type": "noul", "instructions": "Is the player blocked?"},
         "progress": {"type": "score", "instructions": "How close is it?", "criteria": ["not at all", "a little", "half way", "almost", "done"]},
     }
-    for n in (8, 20, 120, 400):  # short states (padded batch), long states (one-pass)
+    for n in (8, 20, 120, 400):  # short states (rows), long states (one-pass)
         requests += [request(text(n), choice2), request(text(n + 3), mixed)]
     for side in (448, 320):
         state = {"messages": [{"role": "user", "content": [{"type": "image", "image": _png_data_url(side, side)}, {"type": "text", "text": text(30)}]}]}
