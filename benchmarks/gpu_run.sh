@@ -16,6 +16,7 @@
 #      exports with their controls, fits one call on one H200: GATE_LORA="separate merged"
 #      GATE_SHARDS=4 GATE_TESTS=0 BUDGET=575 took 8.5 minutes (the reference processes are most of it).
 #   "layers": benchmarks/layer_bench.py (LAYERS_ARGS adds options, e.g. --layer gdn --case c).
+#   "variants": benchmarks/kernel_variants.py, candidate LoRA-A and conv formulations (VARIANTS_ARGS).
 #   "serve" (not in the default STEPS; run it alone: STEPS=serve): benchmarks/serve_load.py, valen-serve under
 #   load on the 2b separate export (SERVE_ARGS adds options, e.g. --leak-requests 2000).
 set -uo pipefail
@@ -47,6 +48,11 @@ fi
 if [[ " $STEPS " == *" layers "* ]]; then  # one compiled one-pass layer, random 2B weights (no fixture)
   timeout $(cap ${LAYERS_TIMEOUT:-240}) python3 benchmarks/layer_bench.py --out "$OUT/layer.json" ${LAYERS_ARGS:-} > "$OUT/layer.log" 2>&1
   grep -E "median|us " "$OUT/layer.log" | tail -40
+fi
+
+if [[ " $STEPS " == *" variants "* ]]; then  # candidate kernels at 2B shapes, random inputs (no fixture)
+  timeout $(cap ${VARIANTS_TIMEOUT:-240}) python3 benchmarks/kernel_variants.py --out "$OUT/variants.json" ${VARIANTS_ARGS:-} > "$OUT/variants.log" 2>&1
+  grep -E "M=|conv" "$OUT/variants.log" | tail -20
 fi
 
 if [[ " $STEPS " == *" latency "* ]]; then
@@ -134,5 +140,6 @@ ls -la "$OUT"
 tar -czf "$FINAL/gpu-results.tar.gz" -C "$OUT" .
 cp "$OUT/latency.json" "$FINAL/" 2>/dev/null || true
 cp "$OUT/layer.json" "$FINAL/" 2>/dev/null || true
+cp "$OUT/variants.json" "$FINAL/" 2>/dev/null || true
 cp "$OUT/gate-summary.txt" "$FINAL/" 2>/dev/null || true
 cp "$OUT/serve-load.json" "$FINAL/" 2>/dev/null || true
