@@ -202,7 +202,7 @@ class Executor:
             t0 = time.perf_counter()
             engine = self._load()
             batches = engine.batches and self.max_batch > 1
-            self.engine_info = {"mode": engine.mode, "layout": "one-pass where a prefix is shared" if engine.one_pass else "batch",
+            self.engine_info = {"mode": engine.mode, "layout": ("one-pass" if engine.one_pass else "batch") + " where a prefix is shared, else rows",
                                 "kernels": dict(engine.kernels), "cuda_graphs": engine.graphs is not None,
                                 "max_batch": self.max_batch if batches else 1}
             t1 = time.perf_counter()

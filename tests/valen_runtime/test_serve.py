@@ -579,7 +579,7 @@ def test_waiting_requests_run_in_one_sweep_and_a_bad_one_fails_alone(batching_wo
 
     port = batching_worker.port
     ready = batching_worker.wait_for(lambda ln: ln.get("event") == "ready")
-    assert ready["max_batch"] == 8 and ready["layout"] == "one-pass where a prefix is shared"
+    assert ready["max_batch"] == 8 and ready["layout"] == "one-pass where a prefix is shared, else rows"
     # The longest state and eight long questions: about 8,000 rows in one sweep (on 2 CPU cores about a second).
     heavy = text_request(HEAVY_STATE, {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true? " + "Weigh every line of the account. " * 60}
                                        for i in range(8)})
