@@ -1,5 +1,6 @@
 """valen_runtime.fast.graphs: a key runs directly on its first use, is captured on its second and
-replayed after, every use computing what a direct run computes."""
+replayed after, every use computing what a direct run computes (on CUDA); the same policy with
+torch.cuda's graph API faked (on the CPU, so CI holds it)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from valen_runtime.fast.graphs import GraphCache
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 
 
 def layer_like(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
@@ -17,6 +18,7 @@ def layer_like(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
     return (torch.nn.functional.silu(h) * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6),)
 
 
+@gpu
 def test_the_second_use_captures_and_later_uses_replay_the_same_numbers():
     gen = torch.Generator(device="cuda").manual_seed(7)
     w = torch.randn(96, 80, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -34,6 +36,7 @@ def test_the_second_use_captures_and_later_uses_replay_the_same_numbers():
     assert outs[0].data_ptr() != outs[1].data_ptr()
 
 
+@gpu
 def test_graphs_and_first_uses_stay_bounded():
     w = torch.ones(8, 8, device="cuda")
     cache = GraphCache(max_graphs=2)
@@ -44,3 +47,98 @@ def test_graphs_and_first_uses_stay_bounded():
     for size in range(100, 120):
         cache.run(size, lambda x: (x @ w,), [torch.ones(3, 8, device="cuda")])
     assert len(cache.seen) == 4 * cache.max_graphs and 119 in cache.seen and 100 not in cache.seen
+
+
+# ---- the capture policy on the CPU (CI has no GPU): torch.cuda's graph API replaced by a fake
+# whose capture records the function and whose replay runs it again on the static inputs.
+
+
+class FakeGraph:
+    captures = 0
+
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        outputs = FakeGraph.recording["fn"](*FakeGraph.recording["inputs"])
+        for dst, src in zip(self.outputs, outputs):
+            dst.copy_(src)
+
+
+class FakeCuda:
+    """The pieces of torch.cuda GraphCache uses; `graph(g)` records the next call's function."""
+
+    def __init__(self, monkeypatch):
+        self.graph_objects = []
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "graph_pool_handle", lambda: "pool")
+        monkeypatch.setattr(cuda, "Stream", FakeStream)
+        monkeypatch.setattr(cuda, "current_stream", FakeStream)
+        monkeypatch.setattr(cuda, "stream", lambda s: _null())
+        monkeypatch.setattr(cuda, "CUDAGraph", self.new_graph)
+        monkeypatch.setattr(cuda, "graph", self.capture)
+
+    def new_graph(self):
+        g = FakeGraph()
+        self.graph_objects.append(g)
+        return g
+
+    def capture(self, graph, pool=None):
+        FakeGraph.captures += 1
+        return _null()
+
+
+class FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_the_capture_policy_first_use_direct_second_captures_then_replays_cpu(monkeypatch):
+    """First use: fn runs on the caller's inputs, nothing is captured. Second use: one warm-up run
+    and one capture run on static copies, then a replay (whose outputs are the captured ones).
+    Later uses: replays only. Least recently used graphs are dropped past max_graphs, and keys
+    seen once are bounded at 4 x max_graphs."""
+    FakeCuda(monkeypatch)
+    FakeGraph.captures = 0
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        return (x * 2,)
+
+    cache = GraphCache(max_graphs=2)
+    first = torch.ones(3)
+    (out,) = cache.run("k", fn, [first])
+    assert torch.equal(out, first * 2) and calls == [first] and len(cache) == 0 and "k" in cache.seen
+    # The second use: fn runs on static copies (warm-up, capture); the fake replay runs it once more.
+    FakeGraph.recording = {}
+    real_capture = cache._capture
+
+    def capture(key, fn_, inputs):
+        entry = real_capture(key, fn_, inputs)
+        graph, static_in, static_out, _ = entry
+        graph.outputs = static_out
+        FakeGraph.recording = {"fn": fn_, "inputs": static_in}
+        return entry
+
+    monkeypatch.setattr(cache, "_capture", capture)
+    (out,) = cache.run("k", fn, [torch.full((3,), 5.0)])
+    assert torch.equal(out, torch.full((3,), 10.0)) and FakeGraph.captures == 1 and len(cache) == 1 and "k" not in cache.seen
+    assert len(calls) == 1 + 2 + 1 and all(c is not first for c in calls[1:])  # warm-up, capture, replay: static inputs
+    (again,) = cache.run("k", fn, [torch.full((3,), 7.0)])
+    assert again is out and torch.equal(again, torch.full((3,), 14.0)) and FakeGraph.captures == 1  # a replay
+    for key in ("a", "a", "b", "b"):
+        cache.run(key, fn, [torch.ones(1)])
+    assert list(cache.graphs) == ["a", "b"] and FakeGraph.captures == 3  # "k" dropped, least recently used
+    for i in range(20):
+        cache.run(("once", i), fn, [torch.ones(1)])
+    assert len(cache.seen) == 8 and ("once", 19) in cache.seen and ("once", 11) not in cache.seen
