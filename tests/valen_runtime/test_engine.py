@@ -287,6 +287,70 @@ def test_compiled_batches_cpu(tiny_export, batch_requests, roundoff_bound):
             assert got.timings["batch"] == len(group) and max_diff(reference.run(request).logits, got.logits) <= bound
 
 
+class CpuGraphs:
+    """A stand-in for fast.graphs.GraphCache on the CPU with its replay semantics: its own capture
+    policy (GraphCache.run: direct first use, capture on the second), a "capture" that keeps the
+    function, static inputs and outputs, and a replay that reruns the function on the static
+    inputs and writes into the static outputs, so stale buffers and aliasing show as they would
+    on CUDA."""
+
+    def __init__(self, max_graphs: int = 64):
+        from collections import OrderedDict
+
+        from valen_runtime.fast.graphs import GraphCache
+
+        self.graphs, self.seen, self.max_graphs, self.captures = OrderedDict(), OrderedDict(), max_graphs, 0
+        self.run = GraphCache.run.__get__(self)  # the real policy over this object's capture
+
+    def __len__(self):
+        return len(self.graphs)
+
+    def __contains__(self, key):
+        return key in self.graphs
+
+    def _capture(self, key, fn, inputs):
+        static_in = [t.clone() for t in inputs]
+        static_out = fn(*static_in)
+        self.captures += 1
+
+        class Replay:
+            def replay(self):
+                for dst, src in zip(static_out, fn(*static_in)):
+                    dst.copy_(src)
+
+        entry = self.graphs[key] = (Replay(), static_in, static_out, fn)
+        return entry
+
+
+def test_the_engine_on_graph_replay_semantics_answers_as_run_directly_cpu(tiny_export, batch_requests):
+    """The engine's graph wiring (keys, the vision tower's tables, static buffers, the batch's
+    copies of image features, pad logits dropped) under a CPU stand-in with CUDA-graph replay
+    semantics: every run, direct, captured or replayed, alone or batched, gives the direct
+    engine's logits bit for bit; two images of one grid in one batch keep their own features."""
+    options = EngineOptions(device="cpu", dtype="bf16", mode="shared-prefix", kernels="fast")
+    direct = Engine.load(tiny_export["separate"], options)
+    graphed = Engine(direct.model, direct.compiler, options, fast=direct.fast)
+    graphed.graphs = CpuGraphs()
+    extra = {"extra": {"type": "noul", "instructions": "Was it charged twice?"}}
+    for request in batch_requests + [dict(batch_requests[0], questions={**batch_requests[0]["questions"], **extra})]:
+        want = direct.run(request).logits
+        for _ in range(3):  # direct, capture, replay
+            got = graphed.run(request).logits
+            assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert graphed.graphs.captures > 0
+    batched = direct.run_many(batch_requests)  # batch-mates change the GEMMs' row counts: compare batch with batch
+    for _ in range(3):
+        for got, want in zip(graphed.run_many(batch_requests), batched):
+            assert got.timings["batch"] == len(batch_requests) and all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+    same_grid = [dict(batch_requests[3], state={"image": solid_png_data_url(64, 48, colour)}) for colour in ("red", "navy")]
+    want = direct.run_many(same_grid)
+    for _ in range(3):
+        got = graphed.run_many(same_grid)
+        for g, w in zip(got, want):
+            assert all(torch.equal(a, b) for a, b in zip(g.logits, w.logits))
+    assert not all(torch.equal(a, b) for a, b in zip(got[0].logits, got[1].logits))
+
+
 gpu = pytest.mark.gpu
 
 
