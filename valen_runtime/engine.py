@@ -293,7 +293,7 @@ class Engine:
             out.append([torch.cat([next(per_branch) for _ in q.branches]) for q in c.questions])
         return out
 
-    # The device functions of the two layouts and their pieces (capturable: no host work).
+    # The device functions of the three layouts and their pieces (capturable: no host work).
 
     def _rows_logits(self, sizes, row_ids, rows_pos, image_index, head_index, features=None):
         """The rows layout: every branch a whole row of state + suffix, one batched forward -> logits [C] fp32."""
