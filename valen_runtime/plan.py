@@ -253,8 +253,8 @@ def pad_sequences(lengths: list[int], prefix_rows: int = 0) -> list[int]:
     the lowest row rung, then the lowest chunk and sequence rungs that fit it. Each chunk the
     chunk rung adds beyond the pad sequences' own costs 64 rows, so many continuations shorter
     than a chunk can grow by more than the row rung's 12.5 % (up to ≈ 35 % seen for 40
-    continuations of 20 rows and one of 70). Should nothing fit within the rungs searched, one pad sequence rounds the rows up to a
-    multiple of 8 (a shape of its own, still correct)."""
+    continuations of 20 rows and one of 70). Should nothing fit within the rungs searched, one
+    pad sequence rounds the rows up to a multiple of 8 (a shape of its own, still correct)."""
     rows, sequences, chunks = sum(lengths), len(lengths), sum(_chunks(n) for n in lengths)
     T = bucket(prefix_rows + rows + 1)
     for _ in range(64):
