@@ -287,39 +287,30 @@ def test_compiled_batches_cpu(tiny_export, batch_requests, roundoff_bound):
             assert got.timings["batch"] == len(group) and max_diff(reference.run(request).logits, got.logits) <= bound
 
 
-class CpuGraphs:
-    """A stand-in for fast.graphs.GraphCache on the CPU with its replay semantics: its own capture
-    policy (GraphCache.run: direct first use, capture on the second), a "capture" that keeps the
-    function, static inputs and outputs, and a replay that reruns the function on the static
-    inputs and writes into the static outputs, so stale buffers and aliasing show as they would
-    on CUDA."""
+def cpu_graphs():
+    """fast.graphs.GraphCache on the CPU with CUDA-graph replay semantics: its own policy (direct
+    first use, capture on the second, replays after) over a "capture" that keeps the function,
+    static inputs and outputs, and a replay that reruns the function on the static inputs and
+    writes into the static outputs, so stale buffers and aliasing show as they would on CUDA."""
+    from valen_runtime.fast.graphs import GraphCache
 
-    def __init__(self, max_graphs: int = 64):
-        from collections import OrderedDict
+    class CpuGraphs(GraphCache):
+        captures = 0
 
-        from valen_runtime.fast.graphs import GraphCache
+        def _capture(self, key, fn, inputs):
+            static_in = [t.clone() for t in inputs]
+            static_out = fn(*static_in)
+            self.captures += 1
 
-        self.graphs, self.seen, self.max_graphs, self.captures = OrderedDict(), OrderedDict(), max_graphs, 0
-        self.run = GraphCache.run.__get__(self)  # the real policy over this object's capture
+            class Replay:
+                def replay(self):
+                    for dst, src in zip(static_out, fn(*static_in)):
+                        dst.copy_(src)
 
-    def __len__(self):
-        return len(self.graphs)
+            entry = self.graphs[key] = (Replay(), static_in, static_out, fn)
+            return entry
 
-    def __contains__(self, key):
-        return key in self.graphs
-
-    def _capture(self, key, fn, inputs):
-        static_in = [t.clone() for t in inputs]
-        static_out = fn(*static_in)
-        self.captures += 1
-
-        class Replay:
-            def replay(self):
-                for dst, src in zip(static_out, fn(*static_in)):
-                    dst.copy_(src)
-
-        entry = self.graphs[key] = (Replay(), static_in, static_out, fn)
-        return entry
+    return CpuGraphs(pool="no CUDA memory pool on the CPU")
 
 
 def test_the_engine_on_graph_replay_semantics_answers_as_run_directly_cpu(tiny_export, batch_requests):
@@ -330,7 +321,7 @@ def test_the_engine_on_graph_replay_semantics_answers_as_run_directly_cpu(tiny_e
     options = EngineOptions(device="cpu", dtype="bf16", mode="shared-prefix", kernels="fast")
     direct = Engine.load(tiny_export["separate"], options)
     graphed = Engine(direct.model, direct.compiler, options, fast=direct.fast)
-    graphed.graphs = CpuGraphs()
+    graphed.graphs = cpu_graphs()
     extra = {"extra": {"type": "noul", "instructions": "Was it charged twice?"}}
     for request in batch_requests + [dict(batch_requests[0], questions={**batch_requests[0]["questions"], **extra})]:
         want = direct.run(request).logits
