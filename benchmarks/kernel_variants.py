@@ -76,12 +76,12 @@ def run_lora_a(rows: list[int], device: str) -> dict:
     return out
 
 
-def conv_fixups(offsets: torch.Tensor, cu_lengths: list[int], taps: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+def conv_fixups(lengths: list[int], taps: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows whose shifted slices would read outside their own sequence (its first K-1
     rows; a shorter sequence repeats its last row so the count is (K-1) per sequence) and
     their taps [K, F]."""
     rows, start = [], 0
-    for n in cu_lengths:
+    for n in lengths:
         rows += [start + min(i, n - 1) for i in range(K - 1)]
         start += n
     rows = torch.tensor(rows)
@@ -105,8 +105,8 @@ def run_conv(cases: list[str], device: str) -> dict:
     for case in cases:
         cut, lengths = CASES[case]
         layout = packed_indices([(cut, lengths)], K_CONV)
-        offsets, taps = layout[1], layout[2]
-        fix_rows, fix_taps = conv_fixups(offsets, [cut] + lengths, taps, K_CONV)
+        taps = layout[2]
+        fix_rows, fix_taps = conv_fixups([cut] + lengths, taps, K_CONV)
         R = cut + sum(lengths)
         mixed = torch.randn(1, R, C_CONV, generator=gen).to(device=device, dtype=torch.bfloat16)
         weight = (torch.randn(C_CONV, 1, K_CONV, generator=gen) * 0.3).to(device=device, dtype=torch.bfloat16)
