@@ -9,9 +9,6 @@ into `fast/`. Not a test; random inputs, no fixture, about a minute on the H200.
   product with K split s ways (one batched fp32 GEMM, then a sum over the s partial products:
   s times the thread blocks for these narrow outputs) and against the transposed product
   (A @ x^T, the long side as N). All stay IEEE fp32; errors are against fp64.
-- lora: a whole FP32 LoRA of each fused 2B projection (base GEMM output given): projections.project's
-  torch formulation against lora_kernels' Triton kernels under a few tile configurations (the
-  module's constants), errors against fp64.
 - conv: the one-pass causal conv + SiLU (layers.causal_conv_silu_taps: K gathers through the
   tap index) against K shifted slices of the zero-padded rows (contiguous loads) with the first
   K-1 rows of every sequence, which read another sequence's rows or zeros, recomputed through
@@ -36,21 +33,13 @@ sys.path.insert(0, str(HERE.parent))
 
 from layer_bench import CASES  # noqa: E402
 from profile_fast import kernel_profile  # noqa: E402
-from valen_runtime.fast import lora_kernels  # noqa: E402
 from valen_runtime.fast.layers import _conv_taps_silu, causal_conv_silu_taps  # noqa: E402
-from valen_runtime.fast.projections import fuse  # noqa: E402
-from valen_runtime.qwen35 import LoRALinear, attach_lora  # noqa: E402
 from valen_runtime.plan import packed_indices  # noqa: E402
 
 # (name, in, n*r) of every LoRA A product in a 2B layer: GDN in_proj (4 members), out_proj,
 # the MLP's gate|up and down, attention's q|k|v and o_proj; rank 32.
 LORA_A = [("gdn in_proj", 2048, 128), ("gdn out_proj", 2048, 32), ("mlp gate_up", 2048, 64), ("mlp down", 6144, 32),
           ("attn qkv", 2048, 96), ("attn o_proj", 2048, 32)]
-# (name, member widths, in) of every fused projection of a 2B layer, for the whole-LoRA group.
-PROJECTIONS = [("gdn in_proj", [6144, 2048, 16, 16], 2048), ("gdn out_proj", [2048], 2048), ("mlp gate_up", [6144, 6144], 2048),
-               ("mlp down", [2048], 6144), ("attn qkv", [4096, 512, 512], 2048), ("attn o_proj", [2048], 2048)]
-# lora_kernels tile constants tried: (A_BLOCK_M, B_BLOCK_M, B_BLOCK_N)
-TILES = [(32, 64, 64), (32, 32, 128), (64, 64, 128), (16, 64, 64)]
 K_CONV, C_CONV = 4, 6144  # the 2B GDN conv: kernel 4 over q|k|v channels
 
 
@@ -85,61 +74,6 @@ def run_lora_a(rows: list[int], device: str) -> dict:
             out[f"{name} [{m}, {k}] -> {n}"] = entry
             print(f"{name:13s} M={m:5d}: " + "  ".join(f"{v} {e['kernel_us']} us {e['rel_err']:.1e}" for v, e in entry.items()), flush=True)
     return out
-
-
-def fused_projection(widths: list[int], k: int, device: str, gen) -> tuple:
-    parent = torch.nn.Module()
-    adapter = {}
-    for i, n in enumerate(widths):
-        layer = LoRALinear(k, n)
-        layer.weight.data = (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
-        setattr(parent, f"m{i}", layer)
-        adapter[f"m{i}.lora_A.weight"] = torch.randn(32, k, generator=gen) * 0.02
-        adapter[f"m{i}.lora_B.weight"] = torch.randn(n, 32, generator=gen) * 0.02
-    attach_lora(parent, adapter, 2.0)
-    parent.to(device)
-    return fuse([getattr(parent, f"m{i}") for i in range(len(widths))])
-
-
-def run_lora(rows: list[int], device: str) -> dict:
-    out = {}
-    gen = torch.Generator().manual_seed(2)
-    defaults = (lora_kernels.A_BLOCK_M, lora_kernels.B_BLOCK_M, lora_kernels.B_BLOCK_N)
-    for name, widths, k in PROJECTIONS:
-        p = fused_projection(widths, k, device, gen)
-        for m in rows:
-            x = torch.randn(m, k, generator=gen).to(device=device, dtype=torch.bfloat16)
-            base = F.linear(x, p.weight)
-            truth = base.double() + (F.linear(x.double(), p.lora_a.double()).unflatten(1, (len(widths), 32))[:, p.column_member.long()]
-                                     * p.lora_b_rows.double()).sum(-1)
-            entry = {}
-            variants = {"torch": lambda b: torch_lora(x, p, b)}
-            for tiles in TILES:
-                variants[f"triton {tiles}"] = (lambda t: lambda b: tiled(t, b, x, p))(tiles)
-            for variant, fn in variants.items():
-                got = fn(base.float())  # the error before the output's bf16 rounding
-                err = ((got.double() - truth).abs().max() / truth.abs().max()).item()
-                entry[variant] = {"kernel_us": round(kernel_ms(lambda: fn(base)) * 1e3, 2) if device == "cuda" else None, "rel_err": err}
-            lora_kernels.A_BLOCK_M, lora_kernels.B_BLOCK_M, lora_kernels.B_BLOCK_N = defaults
-            out[f"{name} [{m}, {k}] -> {sum(widths)}"] = entry
-            print(f"lora {name:12s} M={m:5d}: " + "  ".join(f"{v} {e['kernel_us']} us {e['rel_err']:.1e}" for v, e in entry.items()), flush=True)
-    return out
-
-
-def torch_lora(x, p, base):
-    """projections.project's LoRA part on a given base (the same kernels as project minus its base GEMM)."""
-    h = F.linear(x.float(), p.lora_a)
-    r = p.lora_b.shape[-1]
-    per_member = h.reshape(-1, h.shape[-1] // r, r)
-    delta = torch.bmm(per_member[:, list(p.groups)].transpose(0, 1), p.lora_b.transpose(1, 2)).transpose(0, 1).reshape(h.shape[0], -1)
-    if p.lora_b_small is not None:
-        delta = torch.cat([delta, F.linear(h[..., (p.groups[-1] + 1) * r :], p.lora_b_small)], dim=-1)
-    return (base.float() + delta).to(base.dtype)
-
-
-def tiled(tiles, base, x, p):
-    lora_kernels.A_BLOCK_M, lora_kernels.B_BLOCK_M, lora_kernels.B_BLOCK_N = tiles
-    return lora_kernels.lora_add(base, x, p.lora_a, p.lora_b_rows, p.column_member)
 
 
 def conv_fixups(lengths: list[int], taps: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,16 +125,14 @@ def run_conv(cases: list[str], device: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--group", nargs="+", default=["lora", "lora-a", "conv"], choices=["lora", "lora-a", "conv"])
-    ap.add_argument("--rows", type=int, nargs="+", default=[64, 896, 3408])
+    ap.add_argument("--group", nargs="+", default=["lora-a", "conv"], choices=["lora-a", "conv"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[896, 3408])
     ap.add_argument("--case", nargs="+", default=["a", "c"], choices=sorted(CASES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
     with torch.no_grad():
-        if "lora" in args.group:
-            results["lora"] = run_lora(args.rows, args.device)
         if "lora-a" in args.group:
             results["lora-a"] = run_lora_a(args.rows, args.device)
         if "conv" in args.group:

@@ -104,8 +104,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", nargs="+", default=["a", "c"], choices=sorted(CASES))
     ap.add_argument("--lora", nargs="+", default=["separate", "merged"], choices=["separate", "merged"])
-    ap.add_argument("--lora-impl", nargs="+", default=None, choices=["torch", "triton"],
-                    help="FP32 LoRA kernels of the separate export (default: both on CUDA, torch on the CPU)")
     ap.add_argument("--layer", nargs="+", default=["gdn", "attention"], choices=["gdn", "attention"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", action="store_true", help="torch.compile on the CPU too (always on CUDA)")
@@ -115,22 +113,19 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     cfg, _, _ = TextConfig.from_dict(json.loads(args.config.read_text())["text_config"])
-    impls = args.lora_impl or (["torch", "triton"] if args.device == "cuda" else ["torch"])
-    fns_by_impl = {}
-    for impl in impls:
-        fns = make_layer_fns(cfg, "fla" if args.device == "cuda" else "torch", impl)
-        fns_by_impl[impl] = compile_layer_fns(fns) if args.device == "cuda" or args.compile else fns
+    fns = make_layer_fns(cfg, "fla" if args.device == "cuda" else "torch")
+    if args.device == "cuda" or args.compile:
+        fns = compile_layer_fns(fns)
     results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "runs": {}}
     with torch.no_grad():
-        for lora, impl in [(lora, impl) for lora in args.lora for impl in (impls if lora == "separate" else impls[:1])]:
-            name = f"{lora}, {impl} LoRA" if lora == "separate" else lora
+        for lora in args.lora:
             for layer in args.layer:
                 kind = "linear_attention" if layer == "gdn" else "full_attention"
                 weights = gather_weights(random_layer(cfg, kind, lora, args.device, seed=0))
                 for case in args.case:
-                    r = measure(layer_call(cfg, fns_by_impl[impl], kind, weights, case, args.device, seed=1), args.device, args.iters)
-                    results["runs"][f"{layer} {name} ({case})"] = r
-                    print(f"{layer} {name} ({case}): median {r['median_ms']:.3f} ms"
+                    r = measure(layer_call(cfg, fns, kind, weights, case, args.device, seed=1), args.device, args.iters)
+                    results["runs"][f"{layer} {lora} ({case})"] = r
+                    print(f"{layer} {lora} ({case}): median {r['median_ms']:.3f} ms"
                           + (f"; {r['kernels']} kernels summing {r['kernel_time_ms']:.3f} ms" if "kernels" in r else ""), flush=True)
                     for t in r.get("top", [])[:6]:
                         print(f"    {t['total_us']:8.1f} us {t['count']:3d} x  {t['name'][:110]}", flush=True)

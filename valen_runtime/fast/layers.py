@@ -132,11 +132,11 @@ def sigmoid_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return cast(out.float() * cast(torch.sigmoid(gate.float()), gate.dtype).float(), out.dtype)
 
 
-def mlp_residual(x: torch.Tensor, eps: float, w: MlpWeights, lora_impl: str = "torch") -> torch.Tensor:
+def mlp_residual(x: torch.Tensor, eps: float, w: MlpWeights) -> torch.Tensor:
     """x + MLP(post_attention_layernorm(x)) with the gate and up projections as one GEMM."""
     h = rms_norm(x, w.post_norm, eps)
-    gate, up = project(h, w.gate_up, lora_impl).chunk(2, dim=-1)  # [B, T, I] each
-    return add(x, project(silu_times(gate, up), w.down, lora_impl))
+    gate, up = project(h, w.gate_up).chunk(2, dim=-1)  # [B, T, I] each
+    return add(x, project(silu_times(gate, up), w.down))
 
 
 def causal_conv_silu(mixed: torch.Tensor, prev: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,10 +187,9 @@ class LayerFns(NamedTuple):
     attention_one_pass: Callable  # (x, cos, sin, mask, rows, slots, w) -> x
 
 
-def make_layer_fns(cfg, delta_impl: str, lora_impl: str = "torch") -> LayerFns:
-    """The layer functions for one text config; sizes are closure constants to the compiler,
-    `delta_impl` ("torch" or "fla") picks the delta rule behind the custom ops and `lora_impl`
-    ("torch" or "triton", projections.project) the FP32 LoRA's kernels."""
+def make_layer_fns(cfg, delta_impl: str) -> LayerFns:
+    """The layer functions for one text config; sizes are closure constants to the compiler and
+    `delta_impl` ("torch" or "fla") picks the delta rule behind the custom ops."""
     eps = cfg.rms_norm_eps
     Hkl, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     key_dim, value_dim = Hkl * Dk, Hv * Dv
@@ -204,7 +203,7 @@ def make_layer_fns(cfg, delta_impl: str, lora_impl: str = "torch") -> LayerFns:
         rule(q, k, v, g, beta) -> (out, state), which differ between batched and packed rows."""
         B, T, _ = x.shape
         h = rms_norm(x, w.input_norm, eps)
-        mixed, z, b, a = project(h, w.in_proj, lora_impl).split(in_splits, dim=-1)
+        mixed, z, b, a = project(h, w.in_proj).split(in_splits, dim=-1)
         mixed, conv_tail = conv(mixed)  # [B, T, C]
         q, k, v = mixed.split([key_dim, key_dim, value_dim], dim=-1)
         q, k = l2norm(q.reshape(B, T, Hkl, Dk)), l2norm(k.reshape(B, T, Hkl, Dk))  # in the activation dtype
@@ -213,8 +212,8 @@ def make_layer_fns(cfg, delta_impl: str, lora_impl: str = "torch") -> LayerFns:
         g, beta = decay_and_beta(a, b, w.A_log, w.dt_bias)  # [B, T, Hv]
         core, state = rule(q, k, v.reshape(B, T, Hv, Dv), g, beta)
         out = rms_norm_gated(core.reshape(-1, Dv), z.reshape(-1, Dv), w.gated_norm, eps).reshape(B, T, -1)
-        x = add(x, project(out, w.out_proj, lora_impl))
-        return mlp_residual(x, eps, w.mlp, lora_impl), conv_tail, state
+        x = add(x, project(out, w.out_proj))
+        return mlp_residual(x, eps, w.mlp), conv_tail, state
 
     def gdn_layer(x, conv_prev, state_prev, w: GdnWeights):
         """x [B, T, H], conv_prev [B, C, K-1], state_prev [B, Hv, Dk, Dv] fp32 -> (x, conv tail, state)."""
@@ -251,7 +250,7 @@ def make_layer_fns(cfg, delta_impl: str, lora_impl: str = "torch") -> LayerFns:
         -> (out [B, T, Hq*D], keys, values), which differs between cached, batched and packed rows."""
         B, T, _ = x.shape
         h = rms_norm(x, w.input_norm, eps)
-        q_out, k_out, v_out = project(h, w.qkv, lora_impl).split(qkv_splits, dim=-1)
+        q_out, k_out, v_out = project(h, w.qkv).split(qkv_splits, dim=-1)
         q, gate = torch.chunk(q_out.reshape(B, T, -1, D * 2), 2, dim=-1)
         q = rms_norm(q.reshape(B, T, -1, D), w.q_norm, eps).transpose(1, 2)  # [B, Hq, T, D]
         k = rms_norm(k_out.reshape(B, T, -1, D), w.k_norm, eps).transpose(1, 2)  # [B, Hk, T, D]
@@ -259,8 +258,8 @@ def make_layer_fns(cfg, delta_impl: str, lora_impl: str = "torch") -> LayerFns:
         q, k = apply_rotary(q, k, cos, sin)
         out, k, v = attend(q, k, v)
         out = sigmoid_gate(out, gate.reshape(B, T, -1))
-        x = add(x, project(out, w.o_proj, lora_impl))
-        return mlp_residual(x, eps, w.mlp, lora_impl), k, v
+        x = add(x, project(out, w.o_proj))
+        return mlp_residual(x, eps, w.mlp), k, v
 
     def attention_layer(x, cos, sin, mask, k_prev, v_prev, w: AttentionWeights):
         """x [B, T, H], cos / sin [B, T, R], k_prev / v_prev [B, Hk, S-T, D] or None -> (x, keys, values)."""

@@ -22,7 +22,6 @@ from ..qwen35 import TextCache, TextModel, causal_mask, rms_norm
 from ..vision import VisionBlock, VisionModel, frame_lengths, grid_list, per_frame
 from .kernels import fla_available, fla_version, sdpa_vision_attention
 from .layers import add, compile_layer_fns, gather_weights, make_layer_fns
-from .lora_kernels import triton_available
 
 
 def _dynamic(t: torch.Tensor, *dims: int) -> None:
@@ -75,14 +74,14 @@ def one_pass_mask(layout: OnePass, dtype: torch.dtype, device: torch.device) -> 
 class FastText:
     """The text stack on the whole-layer functions; weights are the reference `TextModel`'s."""
 
-    def __init__(self, text: TextModel, delta_impl: str, compile: bool, lora_impl: str = "torch"):
+    def __init__(self, text: TextModel, delta_impl: str, compile: bool):
         self.config = text.config
-        self.delta_impl, self.lora_impl = delta_impl, lora_impl
+        self.delta_impl = delta_impl
         self.embed_tokens = text.embed_tokens
         self.rotary_emb = text.rotary_emb
         self.norm_weight, self.eps = text.norm.weight, text.norm.eps
         self.layer_weights = [gather_weights(layer) for layer in text.layers]
-        self.fns = make_layer_fns(text.config, delta_impl, lora_impl)
+        self.fns = make_layer_fns(text.config, delta_impl)
         self.final_norm = rms_norm
         if compile:
             self.fns = compile_layer_fns(self.fns)
@@ -268,17 +267,14 @@ class FastModel:
     def build(cls, model, compile: bool) -> "FastModel":
         """From a loaded model (weights.LoadedModel); several engines over one model can share the
         result (Engine's `fast` argument). FLA's products run in TF32 for fp32 inputs, so
-        only bf16 models on CUDA take its delta rule; everything else keeps the reference rule. The
-        FP32 LoRA (separate exports) runs on lora_kernels' Triton kernels on CUDA."""
+        only bf16 models on CUDA take its delta rule; everything else keeps the reference rule."""
         use_fla = model.device.type == "cuda" and model.dtype != torch.float32 and fla_available()
-        use_triton = model.device.type == "cuda" and triton_available()
-        text = FastText(model.text, "fla" if use_fla else "torch", compile, "triton" if use_triton else "torch")
+        text = FastText(model.text, "fla" if use_fla else "torch", compile)
         vision = FastVision(model.vision, compile)
         kernels = {
             "gated_delta": f"fla-core {fla_version()}" if use_fla else "torch",
             "attention": "sdpa",
             "projections": "fused",
-            "lora": "triton (split-K A, fused B and add)" if use_triton else "torch (cuBLAS fp32)",
             "layers": "fused, torch.compile" if compile else "fused, eager",
             "vision_attention": "sdpa",
             "vision_blocks": "torch.compile" if compile else "eager",

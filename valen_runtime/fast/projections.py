@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..qwen35 import LoRALinear
-from .lora_kernels import lora_add_op
 from .rounding import cast
 
 NARROW = 256  # members with fewer output rows are not worth a block of their own
@@ -32,8 +31,6 @@ class Projection(NamedTuple):
     lora_b: torch.Tensor | None  # [G, Nb, r] fp32, scale folded: the wide members cut into Nb-row blocks
     lora_b_small: torch.Tensor | None  # [sum N_small, n_small*r] block-diagonal, the narrow trailing members
     groups: tuple[int, ...]  # the member each Nb block belongs to
-    lora_b_rows: torch.Tensor | None  # [sum N_i, r] fp32, scale folded: every member's B (lora_b views its first rows)
-    column_member: torch.Tensor | None  # [sum N_i] int32: the member of each output column
 
 
 def fuse(members: list[LoRALinear]) -> Projection:
@@ -48,7 +45,7 @@ def fuse(members: list[LoRALinear]) -> Projection:
             m.weight = nn.Parameter(weight[row : row + m.out_features], requires_grad=False)
             row += m.out_features
     if all(m.lora_A is None for m in members):
-        return Projection(weight, None, None, None, (), None, None)
+        return Projection(weight, None, None, None, ())
     if any(m.lora_A is None for m in members):
         raise ValueError("cannot fuse projections where only some carry a LoRA adapter")
     ranks = {m.lora_A.weight.shape[0] for m in members}
@@ -62,22 +59,16 @@ def fuse(members: list[LoRALinear]) -> Projection:
     block = math.gcd(*sizes[:n_wide])
     groups = tuple(i for i in range(n_wide) for _ in range(sizes[i] // block))
     scaled = [m.lora_B.weight.detach() * m.lora_scale for m in members]  # [N_i, r] fp32
-    lora_b_rows = torch.cat(scaled)  # [sum N_i, r]
-    lora_b = lora_b_rows[: sum(sizes[:n_wide])].view(-1, block, r)  # [G, Nb, r]
+    lora_b = torch.cat([b.view(-1, block, r) for b in scaled[:n_wide]])  # [G, Nb, r]
     small = torch.block_diag(*scaled[n_wide:]) if n_wide < len(members) else None
     lora_a = torch.cat([m.lora_A.weight.detach() for m in members])
-    column_member = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(sizes))
-    return Projection(weight, lora_a, lora_b, small, groups, lora_b_rows, column_member.to(weight.device))
+    return Projection(weight, lora_a, lora_b, small, groups)
 
 
-LORA_IMPLS = ("torch", "triton")
-
-
-def project(x: torch.Tensor, p: Projection, lora_impl: str = "torch") -> torch.Tensor:
+def project(x: torch.Tensor, p: Projection) -> torch.Tensor:
     """x [..., in] -> [..., sum N_i]: x @ W^T plus each member's FP32 LoRA delta, cast once.
 
-    lora_impl "triton" runs the LoRA as lora_kernels' two kernels (CUDA) on the same fp32 products;
-    "torch" as follows. The B products run as one batched GEMM over the members' Nb-row blocks ([G, M, r] @
+    The B products run as one batched GEMM over the members' Nb-row blocks ([G, M, r] @
     [G, r, Nb]) rather than one block-diagonal GEMM whose zero blocks would multiply the work
     by the member count; the narrow trailing members (GDN's b and a) share one small
     block-diagonal GEMM.
@@ -85,8 +76,6 @@ def project(x: torch.Tensor, p: Projection, lora_impl: str = "torch") -> torch.T
     out = F.linear(x, p.weight)
     if p.lora_a is None:
         return out
-    if lora_impl == "triton":
-        return lora_add_op(out, x, p.lora_a, p.lora_b_rows, p.column_member)
     h = F.linear(x.float(), p.lora_a)  # [..., n*r]: every member's A(x)
     r = p.lora_b.shape[-1]
     lead = h.shape[:-1]
