@@ -27,6 +27,8 @@ STEPS=${STEPS:-"tests latency parity"}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/transformers-*.whl .whl/tokenizers-*.whl .whl/peft-*.whl \
   .whl/jsonschema-*.whl .whl/jsonschema_specifications-*.whl .whl/referencing-*.whl .whl/rpds_py-*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pyspng-*.whl \
+  || echo "gpu_run: no pyspng wheel in .whl/ (make gpu-wheels): PNGs decode with Pillow"
 if [[ " $STEPS " == *" serve "* ]]; then  # valen-serve's HTTP stack
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/uvicorn-*.whl .whl/starlette-*.whl .whl/h11-*.whl .whl/anyio-*.whl || exit 1
 fi

@@ -2,7 +2,7 @@
 works (JSON checks, base64, image decode and resize, chat template, tokenizer, prompt layout, and
 the host part of handing the images over), per phase. Not a test.
 
-    python benchmarks/request_bench.py --export EXPORT [--iters 40] [--device cpu|cuda] [--out request.json]
+    python benchmarks/request_bench.py --export EXPORT [--iters 40] [--device cpu|cuda] [--png pillow] [--out request.json]
     python benchmarks/request_bench.py --decoders [--iters 40] [--out decoders.json]
 
 Point it at any export (the tiny fixture's is enough: the tokenizer and the image settings are
@@ -14,7 +14,8 @@ the queued patchify; the vision tower itself is left out); on the CPU it copies 
 Each request is timed in the compiler's three decode modes: "auto" (the default: the pool where
 there is work to overlap, see `Compiler._worth_a_thread`), "threaded" (images always decode on a
 pool thread while the calling thread tokenizes) and "serial" (everything on the calling thread).
-Reports medians: warm (question-piece cache filled), cold (a fresh compiler per
+`--png pillow` decodes every PNG with Pillow, as an install without the fast-png extra (pyspng)
+does. Reports medians: warm (question-piece cache filled), cold (a fresh compiler per
 request), and per phase (`valen_runtime.request.PHASES`; decode-thread phases are that thread's
 time, overlapped with the calling thread's where the pool decoded).
 """
@@ -78,8 +79,8 @@ def _idat(png: bytes) -> bytes:
 def decoder_comparison(iters: int) -> dict:
     """PNG decode options on this machine, per test image: Pillow as the runtime calls it, Pillow
     with one read for the whole stream, zlib's inflate alone (what any decoder of this file must
-    do, on one core), and torchvision.io.decode_png (libpng) where installed, checked against
-    Pillow's pixels."""
+    do, on one core), and where installed torchvision.io.decode_png (libpng) and pyspng
+    (libspng), each checked against Pillow's pixels."""
     import base64
     import io
     import zlib
@@ -106,7 +107,13 @@ def decoder_comparison(iters: int) -> dict:
         torchvision_version = _version("torchvision")
     except ImportError:
         torchvision_version = None
-    results = {"torchvision": torchvision_version, "images": {}}
+    try:
+        import pyspng
+
+        pyspng_version = _version("pyspng")
+    except ImportError:
+        pyspng_version = None
+    results = {"torchvision": torchvision_version, "pyspng": pyspng_version, "images": {}}
     for name, png in images.items():
         def pillow(block=None):
             image = Image.open(io.BytesIO(png))
@@ -131,6 +138,9 @@ def decoder_comparison(iters: int) -> dict:
             expected = torch.from_numpy(np.array(pillow().convert("RGB"))).permute(2, 0, 1)
             entry["torchvision_decode_png_ms"] = _median_ms(lambda: torchvision.io.decode_png(encoded), iters)
             entry["torchvision_equals_pillow"] = bool(torch.equal(decoded, expected))
+        if pyspng_version:
+            entry["pyspng_ms"] = _median_ms(lambda: pyspng.load(png, "RGB"), iters)
+            entry["pyspng_equals_pillow"] = bool(np.array_equal(pyspng.load(png, "RGB"), np.array(pillow().convert("RGB"))))
         results["images"][name] = entry
         print(name, json.dumps(entry), flush=True)
     return results
@@ -188,11 +198,18 @@ def main() -> None:
     ap.add_argument("--decoders", action="store_true", help="compare PNG decoders instead (no export needed)")
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--png", choices=("libspng", "pillow"), default="libspng",
+                    help="libspng: plain PNGs through pyspng where installed (the default); pillow: every PNG through Pillow")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
     import torch
     from PIL import features
+
+    import valen_runtime.image
+
+    if args.png == "pillow":
+        valen_runtime.image.pyspng = None
 
     from valen_runtime.request import PHASES, Compiler
 
@@ -218,6 +235,7 @@ def main() -> None:
             "pillow_zlib": features.version("zlib"),
             "pillow_zlib_ng": features.version("zlib_ng") if features.check("zlib_ng") else None,
             "tokenizers": _version("tokenizers"),
+            "pyspng": _version("pyspng") if valen_runtime.image.pyspng is not None else None,
         },
         "load_average_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "phase_order": list(PHASES),

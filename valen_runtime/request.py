@@ -28,6 +28,7 @@ from .errors import ConfigError, RequestError
 from .image import (
     ImageConfig,
     ImageLimits,
+    fast_png_pixels,
     grid_for_size,
     image_to_tensor,
     load_image,
@@ -536,8 +537,8 @@ class Compiler:
                 _results(pending)  # an earlier image's decode error comes first
                 raise
             size = opened.size
-            if pool is None:
-                pending.append(_PendingImage(size, self._prepare_image(opened, image.field)))
+            if pool is None:  # on this thread: libspng may decode it (it holds the GIL, so never on the pool)
+                pending.append(_PendingImage(size, self._prepare_image(opened, image.field, encoded=image.data)))
             else:
                 decoding = threading.Event()
                 pending.append(_PendingImage(size, pool.submit(self._prepare_image, opened, image.field, decoding)))
@@ -546,14 +547,19 @@ class Compiler:
                 decoding.wait()
         return pending
 
-    def _prepare_image(self, opened, field: str, decoding: threading.Event | None = None) -> _PreparedImage:
-        """Decode, to tensor, resize (a pool thread): uint8 [1, C, H, W] and its patch grid."""
+    def _prepare_image(self, opened, field: str, decoding: threading.Event | None = None,
+                       encoded: bytes | None = None) -> _PreparedImage:
+        """Decode, to tensor, resize (this thread or a pool thread): uint8 [1, C, H, W] and its
+        patch grid. With `encoded` (the file's bytes), a plain PNG decodes through libspng."""
         started = time.perf_counter()
         if decoding is not None:
             decoding.set()
-        decoded = load_image(opened, field)
+        pixels = fast_png_pixels(encoded, opened.size) if encoded is not None else None  # uint8 [3, H, W]
         decoded_at = time.perf_counter()
-        pixels = image_to_tensor(decoded)  # uint8 [3, H, W]
+        if pixels is None:
+            decoded = load_image(opened, field)
+            decoded_at = time.perf_counter()
+            pixels = image_to_tensor(decoded)  # uint8 [3, H, W]
         tensor_at = time.perf_counter()
         try:
             batch = resize_for_patches(pixels, self.image_config)  # uint8 [1, C, H, W]

@@ -2,6 +2,7 @@
 
 import base64
 import dataclasses
+import importlib.util
 import io
 import json
 import os
@@ -22,6 +23,9 @@ from valen_runtime.image import (  # noqa: E402
     ImageConfig,
     ImageLimits,
     decode_image,
+    fast_png_pixels,
+    image_to_tensor,
+    plain_png,
     preprocess,
     smart_resize,
     stack_images,
@@ -328,3 +332,124 @@ def test_patchify_on_cuda_is_bitwise_equal_to_cpu():
     batch = torch.randint(0, 256, (1, 3, 64, 96), generator=gen, dtype=torch.uint8)
     config = ImageConfig()
     assert torch.equal(patchify(batch.cuda(), config).pixel_values.cpu(), patchify(batch, config).pixel_values)
+
+
+# ------------------------------------------------------------------ the libspng path for plain PNGs
+
+
+def png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def filtered_rows(pixels: np.ndarray, filters: list[int]) -> bytes:
+    """The PNG scanlines of pixels [H, W, C] uint8, row y filtered with filters[y] (0 none, 1 sub,
+    2 up, 3 average, 4 Paeth; PNG spec section 9), written out independently of any encoder."""
+    height, _, channels = pixels.shape
+    out, above = bytearray(), np.zeros(pixels.shape[1] * channels, np.int32)
+    for y in range(height):
+        row = pixels[y].reshape(-1).astype(np.int32)
+        left = np.concatenate([np.zeros(channels, np.int32), row[:-channels]])
+        upper_left = np.concatenate([np.zeros(channels, np.int32), above[:-channels]])
+        if filters[y] == 4:
+            p = left + above - upper_left
+            pa, pb, pc = np.abs(p - left), np.abs(p - above), np.abs(p - upper_left)
+            predicted = np.where((pa <= pb) & (pa <= pc), left, np.where(pb <= pc, above, upper_left))
+        else:
+            predicted = [np.zeros_like(row), left, above, (left + above) // 2][filters[y]]
+        out.append(filters[y])
+        out += ((row - predicted) % 256).astype(np.uint8).tobytes()
+        above = row
+    return bytes(out)
+
+
+def handmade_png(pixels: np.ndarray, filters: list[int], idat_parts: int = 1, ancillary: bytes = b"", after_idat: bytes = b"") -> bytes:
+    """A PNG of pixels [H, W, 3 or 4] built chunk by chunk (several IDATs, extra chunks)."""
+    height, width, channels = pixels.shape
+    stream = zlib.compress(filtered_rows(pixels, filters), 6)
+    cuts = np.linspace(0, len(stream), idat_parts + 1).astype(int)
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, {3: 2, 4: 6}[channels], 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + ancillary
+            + b"".join(png_chunk(b"IDAT", stream[a:b]) for a, b in zip(cuts[:-1], cuts[1:]))
+            + after_idat + png_chunk(b"IEND", b""))
+
+
+def pillow_pixels(data: bytes) -> torch.Tensor:
+    return image_to_tensor(decode_image(data, "png", "f"))
+
+
+needs_pyspng = pytest.mark.skipif(importlib.util.find_spec("pyspng") is None, reason="pyspng (the fast-png extra) is not installed")
+
+
+@needs_pyspng
+@pytest.mark.parametrize("channels", [3, 4])
+@pytest.mark.parametrize("width,height", [(1, 1), (5, 3), (37, 23), (64, 17)])
+def test_plain_pngs_decode_to_pillows_pixels(channels, width, height):
+    """Every filter type in every row position, odd sizes, one or several IDAT chunks, ancillary
+    chunks libspng could act on (gAMA, sBIT, tEXt) before and after the pixels: the same bytes
+    as Pillow's decode + convert("RGB") (alpha dropped)."""
+    rng = np.random.default_rng(width * 100 + height + channels)
+    pixels = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
+    filters = [int(f) for f in rng.integers(0, 5, height)]
+    filters[: min(5, height)] = list(range(5))[: min(5, height)]
+    ancillary = png_chunk(b"gAMA", struct.pack(">I", 45455)) + png_chunk(b"sBIT", bytes([5] * channels))
+    for parts in (1, 3):
+        data = handmade_png(pixels, filters, idat_parts=parts, ancillary=ancillary, after_idat=png_chunk(b"tEXt", b"k\x00v"))
+        assert plain_png(data)
+        fast = fast_png_pixels(data, (width, height))
+        assert fast is not None and fast.dtype == torch.uint8 and fast.shape == (3, height, width)
+        assert torch.equal(fast, pillow_pixels(data))
+        assert torch.equal(fast, torch.from_numpy(pixels[..., :3]).permute(2, 0, 1))  # and the pixels encoded
+
+
+def with_ihdr_byte(data: bytes, index: int, value: int) -> bytes:
+    """data with IHDR body byte `index` set (CRC recomputed)."""
+    out = bytearray(data)
+    out[16 + index] = value
+    out[29:33] = struct.pack(">I", zlib.crc32(bytes(out[12:29])))
+    return bytes(out)
+
+
+def test_only_plain_pngs_take_the_fast_decoder():
+    rgb = encode(noise(20, 10), "PNG")
+    exif = noise(20, 10).getexif()
+    exif[0x0112] = 6
+    cases = {
+        "rgb": (rgb, True),
+        "rgba": (encode(noise(20, 10, "RGBA"), "PNG"), True),
+        "grey": (encode(noise(20, 10, "L"), "PNG"), False),
+        "grey+alpha": (encode(noise(20, 10, "LA"), "PNG"), False),
+        "palette": (encode(noise(20, 10).convert("P"), "PNG"), False),
+        "16-bit": (with_ihdr_byte(rgb, 8, 16), False),
+        "interlaced": (with_ihdr_byte(rgb, 12, 1), False),
+        "exif-orientation": (encode(noise(20, 10), "PNG", exif=exif), False),
+        "bad-crc": (rgb[:-20] + bytes([rgb[-20] ^ 1]) + rgb[-19:], False),
+        "trailing-bytes": (rgb + b"\x00", False),
+        "truncated": (rgb[:-12], False),
+        "jpeg": (encode(noise(20, 10), "JPEG"), False),
+    }
+    assert {name: plain_png(data) for name, (data, _) in cases.items()} == {name: want for name, (_, want) in cases.items()}
+    assert b"eXIf" in cases["exif-orientation"][0]  # Pillow wrote the chunk the check looks for
+
+
+@needs_pyspng
+def test_a_plain_png_libspng_refuses_falls_back_to_pillows_error():
+    """Well-formed chunks with correct CRCs around a broken deflate stream: libspng fails, Pillow
+    decodes (and refuses) it as before, with the field named."""
+    good = handmade_png(np.zeros((8, 8, 3), np.uint8), [0] * 8)
+    broken = handmade_png(np.zeros((8, 8, 3), np.uint8), [0] * 8)
+    start = broken.index(b"IDAT") - 4
+    (length,) = struct.unpack(">I", broken[start : start + 4])
+    body = b"\xff" * length  # not a deflate stream
+    broken = broken[:start] + png_chunk(b"IDAT", body) + broken[start + 12 + length :]
+    assert plain_png(good) and plain_png(broken)
+    assert fast_png_pixels(broken, (8, 8)) is None
+    with pytest.raises(RequestError, match="corrupt or truncated") as info:
+        decode_image(broken, "png", "state.image")
+    assert info.value.field == "state.image"
+
+
+def test_without_pyspng_every_png_decodes_with_pillow(monkeypatch):
+    import valen_runtime.image as image_module
+
+    monkeypatch.setattr(image_module, "pyspng", None)
+    assert fast_png_pixels(encode(noise(20, 10), "PNG"), (20, 10)) is None

@@ -13,6 +13,7 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -710,6 +711,7 @@ DECODE_CASES = {
     "png-16-bit": lambda: (mode_png("I;16"), "png"),
     "png-la": lambda: (mode_png("LA"), "png"),
     "png-rgba": lambda: (mode_png("RGBA"), "png"),
+    "png-rgb": lambda: (mode_png("RGB"), "png"),
     "jpeg-cmyk": lambda: (cmyk_jpeg(), "jpeg"),
     "jpeg-exif-rot90": lambda: (jpeg_rotated(150, 90), "jpeg"),
 }
@@ -728,6 +730,22 @@ def test_threaded_decode_matches_transformers(folder, processor, case):
     for decode_in_thread in (True, False):
         compiled = Compiler.from_dir(folder, decode_in_thread=decode_in_thread).compile(request(state=state))
         assert_state_equal(compiled.state, expected)
+
+
+@pytest.mark.parametrize("decode_in_thread", [True, False], ids=["threaded", "serial"])
+def test_plain_pngs_decode_through_libspng_on_the_calling_thread_only(folder, monkeypatch, decode_in_thread):
+    # pyspng holds the GIL for its whole decode, so a pool thread keeps Pillow (which lets it go
+    # while the tokenizer runs); on the calling thread a plain PNG takes libspng.
+    import valen_runtime.image as image_module
+
+    pyspng = pytest.importorskip("pyspng")
+    calls = []
+    monkeypatch.setattr(image_module, "pyspng", SimpleNamespace(load=lambda data, fmt: calls.append(fmt) or pyspng.load(data, fmt)))
+    url = data_url(png(96, 64, seed=9))
+    compiled = Compiler.from_dir(folder, decode_in_thread=decode_in_thread).compile(request(state={"image": url}))
+    assert calls == ([] if decode_in_thread else ["RGB"])
+    monkeypatch.setattr(image_module, "pyspng", None)
+    assert compile_summary(compiled) == compile_summary(Compiler.from_dir(folder, decode_in_thread=False).compile(request(state={"image": url})))
 
 
 def test_a_wrong_grid_guess_is_corrected(folder, monkeypatch):
