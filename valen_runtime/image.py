@@ -243,16 +243,33 @@ def decode_image(data: bytes, mime_format: str | None, field_name: str, limits: 
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _PLAIN_COLOR_TYPES = (2, 6)  # truecolour RGB, RGBA: both decode to the same RGB bytes in either decoder
+# Ancillary chunks that change no decoded pixel in either decoder, allowed before the pixel data,
+# where Pillow's open has already parsed (and so validated) them. Everything else, text chunks
+# aside, leaves the file to Pillow: eXIf and APNG's acTL/fcTL/fdAT change what Pillow returns.
+_NEUTRAL_CHUNKS = frozenset({b"PLTE", b"gAMA", b"cHRM", b"sRGB", b"iCCP", b"cICP", b"sBIT", b"pHYs", b"bKGD", b"tIME", b"tRNS"})
+_TEXT_CHUNKS = frozenset({b"tEXt", b"zTXt", b"iTXt"})
+
+
+def _orientation_text(body: bytes) -> bool:
+    """A text chunk Pillow may read an EXIF orientation from (its keyword names XMP or EXIF:
+    "XML:com.adobe.xmp", "xmp", "Raw profile type exif", ...)."""
+    keyword = body.split(b"\0", 1)[0].lower()
+    return b"xmp" in keyword or b"exif" in keyword
 
 
 def plain_png(data: bytes) -> bool:
-    """True for a PNG whose RGB pixels libspng and Pillow decode identically: well-formed chunks,
-    every CRC right, 8-bit RGB or RGBA, not interlaced, no eXIf (its orientation needs Pillow's
-    transpose), IEND last. Anything else (palette, grey, 16-bit, damaged, trailing bytes) is left
-    to Pillow, so what it accepts, refuses and returns stays as before."""
+    """True for a PNG whose pixels libspng and Pillow decode to the same RGB bytes: the signature,
+    an IHDR of an 8-bit RGB or RGBA image, not interlaced; then only ancillary chunks that change
+    no pixel (text without XMP or EXIF); then the IDAT chunks, back to back; then IEND, ending the
+    file; every CRC right. Anything else (palette, grey, 16-bit, an orientation, an animation,
+    a chunk after the pixels that Pillow would parse, damage, trailing bytes) is left to Pillow,
+    so what it accepts, refuses and returns stays as before. One difference remains: libspng
+    does not check the zlib stream's adler32 (pyspng turns its CRC checks off; this walk checks
+    the CRCs), so an IDAT stream that inflates completely but carries a wrong adler32 decodes
+    here and is refused by Pillow."""
     if not data.startswith(_PNG_SIGNATURE):
         return False
-    view, offset, first, seen_idat = memoryview(data), len(_PNG_SIGNATURE), True, False
+    view, offset, stage = memoryview(data), len(_PNG_SIGNATURE), "header"  # header -> ancillary -> pixels
     while offset + 12 <= len(data):
         length, kind = struct.unpack_from(">I4s", data, offset)
         end = offset + 12 + length
@@ -261,18 +278,24 @@ def plain_png(data: bytes) -> bool:
         (crc,) = struct.unpack_from(">I", data, end - 4)
         if zlib.crc32(view[offset + 4 : end - 4]) != crc:
             return False
-        if first:
+        if stage == "header":
             if kind != b"IHDR" or length != 13:
                 return False
             bit_depth, color_type, compression, filtering, interlace = data[offset + 16 : offset + 21]
             if bit_depth != 8 or color_type not in _PLAIN_COLOR_TYPES or compression or filtering or interlace:
                 return False
-            first = False
-        elif kind == b"eXIf":
+            stage = "ancillary"
+        elif kind == b"IDAT":
+            stage = "pixels"
+        elif kind == b"IEND":
+            return stage == "pixels" and end == len(data)
+        elif stage == "pixels":  # Pillow's load parses chunks after the pixels; libspng never reads them
             return False
-        seen_idat |= kind == b"IDAT"
-        if kind == b"IEND":
-            return seen_idat and end == len(data)
+        elif kind in _TEXT_CHUNKS:
+            if _orientation_text(data[offset + 8 : min(end - 4, offset + 8 + 80)]):
+                return False
+        elif kind not in _NEUTRAL_CHUNKS:
+            return False
         offset = end
     return False
 

@@ -385,15 +385,16 @@ needs_pyspng = pytest.mark.skipif(importlib.util.find_spec("pyspng") is None, re
 @pytest.mark.parametrize("width,height", [(1, 1), (5, 3), (37, 23), (64, 17)])
 def test_plain_pngs_decode_to_pillows_pixels(channels, width, height):
     """Every filter type in every row position, odd sizes, one or several IDAT chunks, ancillary
-    chunks libspng could act on (gAMA, sBIT, tEXt) before and after the pixels: the same bytes
-    as Pillow's decode + convert("RGB") (alpha dropped)."""
+    chunks libspng could act on (gAMA, sBIT, tRNS, a text chunk): the same bytes as Pillow's
+    decode + convert("RGB") (alpha dropped)."""
     rng = np.random.default_rng(width * 100 + height + channels)
     pixels = rng.integers(0, 256, (height, width, channels), dtype=np.uint8)
     filters = [int(f) for f in rng.integers(0, 5, height)]
     filters[: min(5, height)] = list(range(5))[: min(5, height)]
-    ancillary = png_chunk(b"gAMA", struct.pack(">I", 45455)) + png_chunk(b"sBIT", bytes([5] * channels))
+    ancillary = (png_chunk(b"gAMA", struct.pack(">I", 45455)) + png_chunk(b"sBIT", bytes([5] * channels))
+                 + png_chunk(b"tEXt", b"Software\x00test") + (png_chunk(b"tRNS", bytes(6)) if channels == 3 else b""))
     for parts in (1, 3):
-        data = handmade_png(pixels, filters, idat_parts=parts, ancillary=ancillary, after_idat=png_chunk(b"tEXt", b"k\x00v"))
+        data = handmade_png(pixels, filters, idat_parts=parts, ancillary=ancillary)
         assert plain_png(data)
         fast = fast_png_pixels(data, (width, height))
         assert fast is not None and fast.dtype == torch.uint8 and fast.shape == (3, height, width)
@@ -409,11 +410,31 @@ def with_ihdr_byte(data: bytes, index: int, value: int) -> bytes:
     return bytes(out)
 
 
+XMP_ROT90 = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+             b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
+
+
 def test_only_plain_pngs_take_the_fast_decoder():
+    """Pillow turns an image by an orientation from eXIf, from XMP or from a "Raw profile type
+    exif" text, draws APNG's first frame in its fcTL rectangle and parses every chunk after the
+    pixels (refusing malformed ones): each of those stays with Pillow."""
     rgb = encode(noise(20, 10), "PNG")
     exif = noise(20, 10).getexif()
     exif[0x0112] = 6
+    pixels = np.zeros((4, 5, 3), np.uint8)
+    made = lambda **parts: handmade_png(pixels, [0] * 4, **parts)  # noqa: E731
+    raw_exif = exif.tobytes()
     cases = {
+        "handmade": (made(), True),
+        "text-before-pixels": (made(ancillary=png_chunk(b"tEXt", b"Comment\x00hello")), True),
+        "text-after-pixels": (made(after_idat=png_chunk(b"tEXt", b"Comment\x00hello")), False),
+        "short-gama-after-pixels": (made(after_idat=png_chunk(b"gAMA", b"\x00")), False),
+        "xmp-orientation": (made(ancillary=png_chunk(b"iTXt", b"XML:com.adobe.xmp\x00\x00\x00\x00\x00" + XMP_ROT90)), False),
+        "raw-profile-exif": (made(ancillary=png_chunk(b"tEXt", b"Raw profile type exif\x00\nexif\n"
+                                                      + f"{len(raw_exif):8d}\n{raw_exif.hex()}\n".encode())), False),
+        "apng-frame": (made(ancillary=png_chunk(b"acTL", struct.pack(">II", 1, 0))
+                            + png_chunk(b"fcTL", struct.pack(">IIIIIHHBB", 0, 3, 2, 0, 0, 1, 1, 0, 0))), False),
+        "unknown-ancillary": (made(ancillary=png_chunk(b"vpAg", bytes(9))), False),
         "rgb": (rgb, True),
         "rgba": (encode(noise(20, 10, "RGBA"), "PNG"), True),
         "grey": (encode(noise(20, 10, "L"), "PNG"), False),

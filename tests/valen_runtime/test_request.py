@@ -697,6 +697,20 @@ def mode_png(mode: str, width=53, height=41) -> bytes:
     return buffer.getvalue()
 
 
+def png_with_xmp_orientation(width: int, height: int, orientation: int) -> bytes:
+    """An RGB PNG whose only orientation is in its XMP packet (an iTXt chunk), which Pillow's
+    exif_transpose and transformers honour."""
+    from PIL import PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    info.add_itxt("XML:com.adobe.xmp", '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+                  f'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="{orientation}"/></rdf:RDF></x:xmpmeta>')
+    rng = np.random.default_rng(width + height)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, "PNG", pnginfo=info)
+    return buffer.getvalue()
+
+
 def cmyk_jpeg() -> bytes:
     rng = np.random.default_rng(12)
     buffer = io.BytesIO()
@@ -712,6 +726,7 @@ DECODE_CASES = {
     "png-la": lambda: (mode_png("LA"), "png"),
     "png-rgba": lambda: (mode_png("RGBA"), "png"),
     "png-rgb": lambda: (mode_png("RGB"), "png"),
+    "png-xmp-rot90": lambda: (png_with_xmp_orientation(90, 64, 6), "png"),
     "jpeg-cmyk": lambda: (cmyk_jpeg(), "jpeg"),
     "jpeg-exif-rot90": lambda: (jpeg_rotated(150, 90), "jpeg"),
 }
