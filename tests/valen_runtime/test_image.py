@@ -275,14 +275,18 @@ def test_patchify_equals_normalising_before_cutting(changes):
 # ------------------------------------------------------------------ decoding limits
 
 
+def with_ihdr(data: bytes, index: int, fields: bytes) -> bytes:
+    """PNG `data` with its IHDR body overwritten from byte `index` by `fields`, CRC recomputed."""
+    out = bytearray(data)
+    ihdr = 8 + 8  # signature, then length + type of the IHDR chunk
+    out[ihdr + index : ihdr + index + len(fields)] = fields
+    out[ihdr + 13 : ihdr + 17] = struct.pack(">I", zlib.crc32(bytes(out[ihdr - 4 : ihdr + 13])))
+    return bytes(out)
+
+
 def png_with_header_size(width: int, height: int) -> bytes:
     """A valid tiny PNG whose IHDR claims another size (a decompression-bomb header)."""
-    data = bytearray(encode(Image.new("RGB", (8, 8)), "PNG"))
-    ihdr = 8 + 8  # signature, then length + type of the IHDR chunk
-    data[ihdr : ihdr + 8] = struct.pack(">II", width, height)
-    crc = zlib.crc32(bytes(data[ihdr - 4 : ihdr + 13]))
-    data[ihdr + 13 : ihdr + 17] = struct.pack(">I", crc)
-    return bytes(data)
+    return with_ihdr(encode(Image.new("RGB", (8, 8)), "PNG"), 0, struct.pack(">II", width, height))
 
 
 def apng() -> bytes:
@@ -402,14 +406,6 @@ def test_plain_pngs_decode_to_pillows_pixels(channels, width, height):
         assert torch.equal(fast, torch.from_numpy(pixels[..., :3]).permute(2, 0, 1))  # and the pixels encoded
 
 
-def with_ihdr_byte(data: bytes, index: int, value: int) -> bytes:
-    """data with IHDR body byte `index` set (CRC recomputed)."""
-    out = bytearray(data)
-    out[16 + index] = value
-    out[29:33] = struct.pack(">I", zlib.crc32(bytes(out[12:29])))
-    return bytes(out)
-
-
 XMP_ROT90 = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
              b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
 
@@ -440,8 +436,8 @@ def test_only_plain_pngs_take_the_fast_decoder():
         "grey": (encode(noise(20, 10, "L"), "PNG"), False),
         "grey+alpha": (encode(noise(20, 10, "LA"), "PNG"), False),
         "palette": (encode(noise(20, 10).convert("P"), "PNG"), False),
-        "16-bit": (with_ihdr_byte(rgb, 8, 16), False),
-        "interlaced": (with_ihdr_byte(rgb, 12, 1), False),
+        "16-bit": (with_ihdr(rgb, 8, bytes([16])), False),
+        "interlaced": (with_ihdr(rgb, 12, bytes([1])), False),
         "exif-orientation": (encode(noise(20, 10), "PNG", exif=exif), False),
         "bad-crc": (rgb[:-20] + bytes([rgb[-20] ^ 1]) + rgb[-19:], False),
         "trailing-bytes": (rgb + b"\x00", False),
