@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU machine lacks into .whl/ (git-ignored): the pinned reference stack
 # (transformers, tokenizers, peft), the optional fast kernels (fla-core), and what the project
-# needs beyond the machine's image: jsonschema and its dependencies (the exporter's manifest check)
-# valen-serve's HTTP stack and pyspng (the fast PNG decoder); built for CPython 3.12 on x86-64 Linux. Run it here, where PyPI is
-# reachable; benchmarks/gpu_run.sh installs them there.
+# needs beyond the machine's image: jsonschema and its dependencies (the exporter's manifest check),
+# valen-serve's HTTP stack and pyspng (the fast PNG decoder); built for CPython 3.12 on x86-64
+# Linux. Run it here, where PyPI is reachable; benchmarks/gpu_run.sh installs them there.
 # Extra NAME==VERSION arguments are fetched too.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"

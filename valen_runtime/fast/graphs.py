@@ -13,7 +13,8 @@ class GraphCache:
     """Capture `fn(*inputs) -> tuple of tensors` per shape key on its second use, and replay it.
 
     A key's first use runs `fn` directly: a capture costs a warm-up run and the capture itself,
-    each about a direct run's time (launch-bound), and a server sees many shapes only once. The second use warms up on a side stream and captures; later uses replay.
+    each about a direct run's time (launch-bound), and a server sees many shapes only once. The
+    second use warms up on a side stream and captures; later uses replay.
     Inputs are copied into static buffers; a replay's outputs are the graph's own buffers, valid
     until the next replay of the same key (callers use them before the next request). Each entry
     keeps `fn`, so tensors `fn` closes over (which the graph reads) live as long as the graph.
