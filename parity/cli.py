@@ -9,11 +9,8 @@ built); usage errors print one line, no traceback.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
 import sys
-import threading
 from pathlib import Path
 
 import click
@@ -21,6 +18,7 @@ import click
 from . import cases as cases_mod
 from . import generator, harness, runtime_adapter, tolerances
 from .errors import UsageProblem
+from .interrupts import critical, unwinding_on_signals
 from .reference_run import start_reference
 from .runtime_adapter import EngineOptions
 
@@ -70,26 +68,6 @@ def _check_export_files(export: Path) -> None:
         Manifest.load(export).require_files("full")
     except ValenError as e:
         raise UsageProblem(f"{e}; the export does not match its manifest, nothing was compared") from None
-
-
-@contextlib.contextmanager
-def _signals_unwind():
-    """SIGTERM and SIGHUP raise SystemExit(128 + signal) inside, where they still have their default
-    action and this is the main thread, so temporary folders are removed on the way out; the
-    previous handlers come back afterwards."""
-    def unwind(signum, frame):
-        raise SystemExit(128 + signum)
-
-    taken = []
-    if threading.current_thread() is threading.main_thread():
-        taken = [sig for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) is signal.SIG_DFL]
-    for sig in taken:
-        signal.signal(sig, unwind)
-    try:
-        yield
-    finally:
-        for sig in taken:
-            signal.signal(sig, signal.SIG_DFL)
 
 
 def select_gate(tolerances_path: Path, lora: str, options: EngineOptions) -> tolerances.Gate:
@@ -164,7 +142,7 @@ def run(
     dtypes = harness.reference_dtypes(gate, options.device.split(":")[0], fp64)
     ids = [(f"{c}/{n}", r) for c, n, r in requests]
     jobs = {}
-    with _signals_unwind():  # so the reference's temporary folders go on SIGTERM / SIGHUP too
+    with unwinding_on_signals():  # so the reference's workers and folders go on SIGTERM / SIGHUP too
         try:
             for d in dtypes:
                 start_reference(checkpoint, base, ids, device=options.device, dtype=d, valen_source=valen_source,
@@ -177,9 +155,9 @@ def run(
             setup = harness.Setup(export, checkpoint, base, options, valen_source, threads)
             return harness.evaluate(setup, requests, refs, gate, runs["main"], runs.get("fp32"), runs.get("anchor"))
         finally:
-            for job in jobs.values():
-                job.stop()
-                job.remove_temporary()
+            with critical():  # every job is stopped and waited for, whatever signal comes next
+                for job in jobs.values():
+                    job.stop_and_remove()
 
 
 def collect_requests(case: str | None, generated: str | None, seed: int, requests_file: Path | None) -> list[tuple[str, str, dict]]:

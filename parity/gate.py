@@ -36,6 +36,7 @@ from . import compare, generator, harness, runtime_adapter, tolerances
 from . import controls as controls_mod
 from .cli import check_device, needed_runs, select_gate
 from .errors import UsageProblem
+from .interrupts import critical, unwinding_on_signals
 from .reference_run import start_reference, wait_for_cached
 from .report import table
 from .runtime_adapter import EngineOptions, runtime_options
@@ -250,9 +251,9 @@ def main(argv=None) -> int:
                     start_reference(fx.checkpoint, fx.base, ids, device=args.device, dtype=d, threads=threads,
                                     cache_dir=cache, shards=args.reference_shards, started=jobs)
             except BaseException:  # the dtypes already started must not outlive a failure to start the next
-                for job in jobs.values():
-                    job.stop()
-                    job.remove_temporary()
+                with critical():
+                    for job in jobs.values():
+                        job.stop_and_remove()
                 raise
         _say(f"{len(requests)} requests, {n_questions} questions; references {', '.join(dtypes)}: "
              + ("started" if jobs else "awaited in the cache") + f" ({args.reference_shards} process(es) each)")
@@ -282,8 +283,9 @@ def main(argv=None) -> int:
                                               threads=threads, shards=args.reference_shards)
                 _say(f"reference {d}: {refs[d].seconds:.1f} s{' (cached)' if refs[d].cached else ''} at {time.perf_counter() - deadline.t0:.1f} s")
         finally:
-            for job in jobs.values():
-                job.stop()
+            with critical():  # every worker stopped and waited for, whatever signal comes next
+                for job in jobs.values():
+                    job.stop_and_remove()
         for export in exports.values():
             problems = harness.check_pins(json.loads(fx.pins.read_text()), harness.manifest_info(export)[0], refs["fp32"], fx.base)
             if problems:
@@ -352,4 +354,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with unwinding_on_signals():  # SIGTERM / SIGHUP stop the reference workers before the gate exits
+        code = main()
+    sys.exit(code)

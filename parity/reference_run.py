@@ -10,16 +10,13 @@ requests, threads, the reference's own code) and reused by later runs of the sam
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +27,7 @@ from valen_runtime.safetensors_file import sha256_file
 
 from . import isolation
 from .errors import UsageProblem
+from .interrupts import critical
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKER_FILES = ("isolation.py", "prompt.py", "reference.py", "reference_worker.py", "valen_source.py")
@@ -155,34 +153,24 @@ class ReferenceJob:
         return ReferenceRun(self.dtype, data, 0.0 if cached else time.perf_counter() - self.t0, cached=cached)
 
     def stop(self) -> None:
-        for shard in self.shards:
-            if shard.process is not None and shard.process.poll() is None:
-                shard.process.kill()
-                shard.process.wait()
+        """Kill every worker still running and wait for it, so none outlives the caller."""
+        with critical():  # a second signal must not leave the later workers running
+            for shard in self.shards:
+                if shard.process is not None and shard.process.poll() is None:
+                    shard.process.kill()
+                    shard.process.wait()
+
+    def stop_and_remove(self) -> None:
+        """stop(), then remove_temporary(): the cleanup for a job that will not be read."""
+        with critical():
+            self.stop()
+            self.remove_temporary()
 
     def remove_temporary(self) -> None:
         """Delete the worker folders that are not the cache's (call once their files are read)."""
         for shard in self.shards:
             if shard.out is not None:
                 shutil.rmtree(shard.out, ignore_errors=True)
-
-
-_HELD = {signal.SIGTERM, signal.SIGHUP, signal.SIGINT}
-
-
-@contextlib.contextmanager
-def _signals_held():
-    """Hold SIGTERM, SIGHUP and SIGINT (delivered when the block ends). Only the main thread runs
-    Python signal handlers, so elsewhere there is nothing to hold. The worker process inherits the
-    held set and releases it first thing (reference_worker.py)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def start_reference(
@@ -227,7 +215,7 @@ def start_reference(
             if hit is not None and (hit / "reference.json").is_file():
                 shard.data = _read_results(hit, part)
                 continue
-            with _signals_held():  # the folder and the process each reach `shard` before a signal can act
+            with critical():  # the folder and the process each reach `shard` before a signal can act
                 shard.out = Path(tempfile.mkdtemp(prefix=f"valen-parity-ref-{dtype}-", dir=workdir))
                 request_list = [{"id": rid, "request": req} for rid, req in part]
                 spec = {
@@ -243,8 +231,7 @@ def start_reference(
                     )
             shard.started = time.perf_counter()
     except BaseException:  # a signal (SystemExit) or an error half-way: no process or folder outlives it
-        job.stop()
-        job.remove_temporary()
+        job.stop_and_remove()
         raise
     return job
 

@@ -18,12 +18,7 @@ was built (per-request rejections are results), 3 when the reference itself coul
 
 from __future__ import annotations
 
-import signal
 import sys
-
-# The parent starts this process with SIGTERM, SIGHUP and SIGINT held (reference_run.start_reference
-# holds them while it creates a worker, so a signal cannot strand one): take them again at once.
-signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
 
 from parity.isolation import install_blocker  # noqa: E402
 
