@@ -8,6 +8,7 @@ and the Python handler then runs in the main thread at its next bytecode."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
 
@@ -20,7 +21,10 @@ from parity.interrupts import critical, unwinding_on_signals
 @pytest.fixture()
 def signal_elsewhere():
     """send(signum): deliver signum to another live thread and return once its C-level handler has
-    run (the wakeup fd says so), so the Python handler is due in the main thread at its next bytecode."""
+    run (the wakeup fd says so), so the Python handler is due in the main thread at its next bytecode.
+    SIGTERM and SIGHUP start at their default action (under nohup SIGHUP is ignored, and
+    unwinding_on_signals leaves a caller's disposition alone)."""
+    previous_actions = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGHUP)}
     release = threading.Event()
     thread = threading.Thread(target=release.wait, daemon=True)
     thread.start()
@@ -30,10 +34,15 @@ def signal_elsewhere():
 
     def send(signum: int) -> None:
         signal.pthread_kill(thread.ident, signum)
+        # The C handler writes the byte as it runs; the 30 s guard turns a set-up where no handler
+        # runs (an ignored signal) into a failure instead of a hang.
+        assert select.select([read_end], [], [], 30)[0], f"signal {signum} never reached a handler"
         assert os.read(read_end, 1) == bytes([signum])
 
     yield send
     signal.set_wakeup_fd(previous)
+    for sig, action in previous_actions.items():
+        signal.signal(sig, action)
     os.close(read_end)
     os.close(write_end)
     release.set()
