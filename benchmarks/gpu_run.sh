@@ -29,9 +29,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pyspng-*.whl \
   || echo "gpu_run: no pyspng wheel in .whl/ (make gpu-wheels): PNGs decode with Pillow"
-if [[ " $STEPS " == *" serve "* ]]; then  # valen-serve's HTTP stack
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/uvicorn-*.whl .whl/starlette-*.whl .whl/h11-*.whl .whl/anyio-*.whl || exit 1
-fi
+# valen-serve's HTTP stack (the serve step and test_serve.py's gpu test) and pytest-xdist (the tests step)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/uvicorn-*.whl .whl/starlette-*.whl .whl/h11-*.whl .whl/anyio-*.whl \
+  .whl/pytest_xdist-*.whl .whl/execnet-*.whl || exit 1
 export PYTHONPATH="$PWD:/tmp/site:/tmp/site-fla"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
@@ -132,10 +132,13 @@ if [[ " $STEPS " == *" serve "* ]]; then  # builds fixture-2b and export-2b-sepa
   echo "serve: exit $?"; tail -8 "$OUT/serve-load.log"
 fi
 if [[ " $STEPS " == *" tests "* ]]; then
-  # The files holding gpu-marked tests (the others import what this machine may lack, e.g. hypothesis).
-  timeout $(cap ${TESTS_TIMEOUT:-300}) python3 -m pytest -q -p no:cacheprovider -m gpu tests/valen_runtime/fast tests/valen_runtime/test_engine.py \
-    tests/valen_runtime/test_image.py ${TESTS_ARGS:-} > "$OUT/gpu-tests.log" 2>&1
-  tail -3 "$OUT/gpu-tests.log"
+  # Every gpu-marked test, in TEST_WORKERS processes sharing the GPU (xdist; each test compiles on the
+  # host's cores, and inductor's on-disk cache is shared between the processes). test_serve.py comes
+  # first so its longest test (a worker's whole CUDA warmup) starts at once and the rest fill around it.
+  timeout $(cap ${TESTS_TIMEOUT:-480}) python3 -m pytest -q -p no:cacheprovider -m gpu -n ${TEST_WORKERS:-4} --durations=30 \
+    tests/valen_runtime/test_serve.py tests/valen_runtime/fast tests/valen_runtime/test_engine.py tests/valen_runtime/test_image.py \
+    ${TESTS_ARGS:-} > "$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests: exit $? in $SECONDS s"; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -3
 fi
 
 ls -la "$OUT"

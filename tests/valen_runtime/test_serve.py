@@ -50,7 +50,9 @@ class Worker:
         self._changed = threading.Condition()
         self._closed = False  # stderr reached its end
         threading.Thread(target=self._collect, daemon=True).start()
-        self.port = self.wait_for(lambda line: line.get("event") == "ready", 180)["port"]
+        # On CUDA the warmup compiles and captures every warmup shape: about 4 minutes on the H200
+        # beside three other test processes compiling (gpu_run.sh's tests step).
+        self.port = self.wait_for(lambda line: line.get("event") == "ready", 180 if device == "cpu" else 480)["port"]
 
     def _collect(self) -> None:
         for raw in self.proc.stderr:
