@@ -53,6 +53,7 @@ MAX_ASPECT_RATIO = 200
 # let FFmpeg probe: its hls, concat and image2 demuxers open other files or URLs named inside.
 VIDEO_CONTAINERS = {"mp4": "mp4", "webm": "matroska"}
 ALLOWED_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1"})
+_NAMES = {"mp4": "an MP4", "webm": "a WebM"}
 _DEMUXER_OPTIONS = {"mp4": {"enable_drefs": "0", "use_absolute_path": "0"}, "webm": {}}
 
 _BICUBIC = 3
@@ -291,16 +292,16 @@ def plan_video(frame_count: int, video_fps: float, height: int, width: int, conf
     )
 
 
-def resize_frame(frame: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """uint8 [3, H, W] -> contiguous uint8 [3, height, width]: torchvision's uint8 bicubic
-    antialiased resize on the CPU, skipped (as there) when the size already matches."""
-    if frame.dtype != torch.uint8 or frame.ndim != 3 or frame.shape[0] != 3:
-        raise ValueError(f"expected a uint8 [3, H, W] frame, got {frame.dtype} {tuple(frame.shape)}")
-    frame = frame.contiguous()  # the processor permutes [T, H, W, C] to a contiguous [T, C, H, W]
-    if tuple(frame.shape[-2:]) == (height, width):
-        return frame
-    resized = F.interpolate(frame.unsqueeze(0), size=[height, width], mode="bicubic", align_corners=False, antialias=True)
-    return resized[0]
+def resize_batch(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 [k, 3, H, W] -> contiguous uint8 [k, 3, height, width]: torchvision's uint8 bicubic
+    antialiased resize on the CPU, skipped (as there) when the size already matches. Each frame
+    comes out the same whatever the batch; one call per batch is many times faster than per frame."""
+    if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[1] != 3:
+        raise ValueError(f"expected uint8 frames [k, 3, H, W], got {frames.dtype} {tuple(frames.shape)}")
+    frames = frames.contiguous()  # the processor permutes [T, H, W, C] to a contiguous [T, C, H, W]
+    if tuple(frames.shape[-2:]) == (height, width):
+        return frames
+    return F.interpolate(frames, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
 
 
 def resize_frames(frames: torch.Tensor, plan: VideoPlan) -> torch.Tensor:
@@ -309,7 +310,7 @@ def resize_frames(frames: torch.Tensor, plan: VideoPlan) -> torch.Tensor:
         frames = frames.permute(0, 3, 1, 2)
     if frames.shape[0] != len(plan.indices):
         raise ValueError(f"{frames.shape[0]} frames for a plan of {len(plan.indices)}")
-    return torch.stack([resize_frame(frame, plan.height, plan.width) for frame in frames])
+    return resize_batch(frames, plan.height, plan.width)
 
 
 def patchify_video(frames: torch.Tensor, config: VideoConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -374,7 +375,7 @@ def _open(data: bytes, mime_format: str, field_name: str, limits: VideoLimits):
         raise RequestError(field_name, f"video is {len(data)} bytes; the limit is {limits.max_bytes}")
     magic_ok = data[4:8] == b"ftyp" if mime_format == "mp4" else data[:4] == b"\x1a\x45\xdf\xa3"
     if not magic_ok:
-        raise RequestError(field_name, f"not a {mime_format} file (its first bytes are not a {mime_format} header)")
+        raise RequestError(field_name, f"not {_NAMES[mime_format]} file (its first bytes are no {mime_format} header)")
     av = _av()
     try:
         container = av.open(io.BytesIO(data), mode="r", format=VIDEO_CONTAINERS[mime_format],
@@ -474,14 +475,25 @@ def _too_long(count: int, fps: float, limits: VideoLimits) -> str:
 
 
 def decode_frames(data: bytes, probe: VideoProbe, plan: VideoPlan, field_name: str,
-                  limits: VideoLimits = VideoLimits()) -> torch.Tensor:
-    """Pass 2: decode again; convert to RGB (rgb24, as read_video's `to_rgb()`) and resize only the
-    planned frames, each as it comes, so at most one full-size frame is held. uint8 [T, 3, H', W']
-    in `plan.indices` order."""
+                  limits: VideoLimits = VideoLimits(), chunk_bytes: int = 64 * 1024 * 1024) -> torch.Tensor:
+    """Pass 2: decode again; convert to RGB (rgb24, as read_video's `to_rgb()`) only the planned
+    frames and resize them in batches of at most `chunk_bytes` of full-size RGB, so memory holds
+    one batch plus the resized clip. uint8 [T, 3, H', W'] in `plan.indices` order."""
     wanted: dict[int, list[int]] = {}  # decode ordinal -> positions in plan.indices
     for position, index in enumerate(plan.indices):
         wanted.setdefault(probe.decode_ordinals[index], []).append(position)
-    out: list[torch.Tensor | None] = [None] * len(plan.indices)
+    out = torch.empty(len(plan.indices), 3, plan.height, plan.width, dtype=torch.uint8)
+    filled = [False] * len(plan.indices)
+    pending: list[tuple[list[int], torch.Tensor]] = []
+
+    def flush():
+        resized = resize_batch(torch.stack([rgb for _, rgb in pending]), plan.height, plan.width)
+        for (positions, _), frame in zip(pending, resized):
+            for position in positions:
+                out[position] = frame
+                filled[position] = True
+        pending.clear()
+
     container, stream, _ = _open(data, probe.container, field_name, limits)
     av = _av()
     last = max(wanted)
@@ -489,18 +501,22 @@ def decode_frames(data: bytes, probe: VideoProbe, plan: VideoPlan, field_name: s
         for ordinal, frame in enumerate(container.decode(stream)):
             if ordinal in wanted:
                 rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)  # [3, H, W]
-                resized = resize_frame(rgb, plan.height, plan.width)
-                for position in wanted[ordinal]:
-                    out[position] = resized
+                if tuple(rgb.shape) != (3, probe.height, probe.width):
+                    raise RequestError(field_name, "video decoded differently the second time")
+                pending.append((wanted[ordinal], rgb))
+                if len(pending) * rgb.numel() >= chunk_bytes:
+                    flush()
             if ordinal >= last:
                 break
     except av.FFmpegError as exc:
         raise RequestError(field_name, f"video data is corrupt or truncated ({type(exc).__name__})") from exc
     finally:
         container.close()
-    if any(frame is None for frame in out):
+    if pending:
+        flush()
+    if not all(filled):
         raise RequestError(field_name, "video decoded differently the second time")
-    return torch.stack(out)
+    return out
 
 
 def load_video(data: bytes, mime_format: str, field_name: str, config: VideoConfig,
