@@ -454,8 +454,9 @@ def probe_video(data: bytes, mime_format: str, field_name: str, limits: VideoLim
                     raise RequestError(field_name, "video frame without a timestamp")
                 if frame.pts >= 0:
                     by_pts[frame.pts] = ordinal
-                if len(by_pts) > max_count:
-                    raise RequestError(field_name, _too_long(len(by_pts), fps, limits))
+                # Frames that do not count (repeated or negative pts) still cost decoding: bounded too.
+                if len(by_pts) > max_count or ordinal >= limits.max_frames:
+                    raise RequestError(field_name, _too_long(max(len(by_pts), ordinal + 1), fps, limits))
         except av.FFmpegError as exc:
             raise RequestError(field_name, f"video data is corrupt or truncated ({type(exc).__name__})") from exc
         if not by_pts:

@@ -7,7 +7,6 @@ frame count and `float(stream.average_rate)`. Clips are encoded here with PyAV's
 
 import dataclasses
 import io
-import json
 import os
 from fractions import Fraction
 
