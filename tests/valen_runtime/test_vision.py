@@ -106,3 +106,38 @@ def test_encode_on_grid_tables_equals_forward():
     pixels = torch.randn(n, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(2))
     grids = grid_list(grid)
     assert torch.equal(vm.encode(pixels, *vm.grid_tables(grids), frame_lengths(grids)), vm(pixels, grid))
+
+
+VIDEO_GRIDS = {
+    "one pair": [[1, 4, 6]],
+    "three pairs": [[3, 4, 4]],
+    "ten pairs, larger than the table": [[10, 4, 12]],
+    "two videos": [[2, 6, 4], [3, 2, 2]],
+}
+
+
+@pytest.mark.parametrize("name", list(VIDEO_GRIDS))
+@torch.no_grad()
+def test_video_grids_match_hf_get_video_features_fp32_bitwise(name):
+    """t > 1: position table and 2-D rotary repeated per frame pair, attention within each pair."""
+    hf, vm = build_pair(torch.float32)
+    grid = torch.tensor(VIDEO_GRIDS[name])
+    n_patches = int(grid.prod(-1).sum())
+    pixels = torch.randn(n_patches, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(3))
+    ref = torch.cat(hf.model.get_video_features(pixels, grid).pooler_output)
+    out = vm(pixels, grid)
+    assert out.shape == ref.shape == (n_patches // 4, 48)
+    assert torch.equal(out, ref)
+
+
+@torch.no_grad()
+def test_video_frame_pairs_do_not_see_each_other():
+    """Changing the pixels of pair 2 of a 3-pair video changes only pair 2's output tokens."""
+    _, vm = build_pair(torch.float32)
+    grid = torch.tensor([[3, 4, 4]])
+    pixels = torch.randn(48, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(4))
+    changed = pixels.clone()
+    changed[16:32] += 1.0  # the second pair's 16 patches
+    out, out2 = vm(pixels, grid), vm(changed, grid)  # [12, 48]: 4 merged tokens per pair
+    assert torch.equal(out[:4], out2[:4]) and torch.equal(out[8:], out2[8:])
+    assert not torch.equal(out[4:8], out2[4:8])
