@@ -79,7 +79,7 @@ def _unavailable(reason: str):
 def crate_source_args(cargo: str, env: dict[str, str]) -> list[str]:
     """cargo arguments that make every crate local: Debian's (the opt-in) when its directory exists, else crates.io's, fetched."""
     debian = debian_crates_dir()
-    if debian.exists():
+    if debian.is_dir():
         prepare = subprocess.run(
             [sys.executable, str(PREPARE_DEBIAN_CRATES), "--from", str(debian)],
             capture_output=True, text=True, timeout=FETCH_TIMEOUT_S,
@@ -87,10 +87,13 @@ def crate_source_args(cargo: str, env: dict[str, str]) -> list[str]:
         if prepare.returncode != 0:
             _unavailable(f"Debian's crates in {debian} do not match native/Cargo.lock (`make native-deps` installs them): {prepare.stderr.strip().splitlines()[0]}")
         return ["--config", str(DEBIAN_OPT_IN)]
-    fetch = subprocess.run(
-        [cargo, "fetch", "--locked", "--manifest-path", str(CRATE)],
-        capture_output=True, text=True, timeout=FETCH_TIMEOUT_S, env=env, cwd=NATIVE,
-    )
+    for offline in (["--offline"], []):  # crates cargo downloaded before need no network
+        fetch = subprocess.run(
+            [cargo, "fetch", "--locked", *offline, "--manifest-path", str(CRATE)],
+            capture_output=True, text=True, timeout=FETCH_TIMEOUT_S, env=env, cwd=NATIVE,
+        )
+        if fetch.returncode == 0:
+            break
     if fetch.returncode != 0:
         _unavailable(
             f"cargo found, but no crates: `cargo fetch` from crates.io failed ({last_line(fetch.stderr)}) "
