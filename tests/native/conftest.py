@@ -1,20 +1,27 @@
 """The native check's fixtures: the Rust reader built from native/, and damaged copies of exports.
 
-The reader is `cargo build --release --offline --manifest-path native/Cargo.toml` (crates from
-Debian's librust-*-dev packages, `make native-deps`). Without cargo (or without the crate) the
-Rust side is skipped with a plain message, unless VALEN_NATIVE_REQUIRED=1 (`make native-check`),
-which turns the skip into a failure. Each damage helper changes one thing in a copy of a good
-export and re-hashes the changed file in the manifest, so only the check aimed at that thing can
-catch it (the flipped byte is the exception: it is meant for the hash check).
+The reader is built with `--locked --offline` once its crates are at hand: from Debian's packaged
+sources when /usr/share/cargo/registry exists (the opt-in of native/README.md: a copy made by
+native/offline/debian_crates.py, and `--config native/offline/debian.toml`), else from crates.io
+(`cargo fetch` first). When cargo or the crates cannot be had, the Rust side is skipped with one
+plain reason; VALEN_NATIVE_REQUIRED=1 (`make native-check`, CI) turns that into a failure, and also
+fails a run in which no native reader test ran. VALEN_CARGO (the Makefile's CARGO; empty: none) and
+VALEN_DEBIAN_CRATES override where cargo and Debian's crates are looked for.
+Each damage helper changes one thing in a copy of a good export and re-hashes the changed file in
+the manifest, so only the check aimed at that thing can catch it (the flipped byte is the
+exception: it is meant for the hash check).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import subprocess
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,12 +29,19 @@ import pytest
 from valen_runtime.safetensors_file import SafetensorsFile, write_file
 
 REPO = Path(__file__).resolve().parents[2]
-CRATE = REPO / "native" / "Cargo.toml"
-BINARY = REPO / "native" / "target" / "release" / "valen-native-check"
-BUILD_TIMEOUT_S = 900  # a cold release build of the crate and its Debian crates on 2 cores
+NATIVE = REPO / "native"
+CRATE = NATIVE / "Cargo.toml"
+BINARY = NATIVE / "target" / "release" / "valen-native-check"
+DEBIAN_OPT_IN = NATIVE / "offline" / "debian.toml"
+PREPARE_DEBIAN_CRATES = NATIVE / "offline" / "debian_crates.py"
+BUILD_TIMEOUT_S = 900  # a cold release build of the crate and its dependencies on 2 cores
+FETCH_TIMEOUT_S = 600
+NATIVE_READER = ("native_reader", True)  # user property of the tests that run the Rust reader
 
 
 def find_cargo() -> str | None:
+    if "VALEN_CARGO" in os.environ:
+        return os.environ["VALEN_CARGO"] or None
     found = shutil.which("cargo")
     if found:
         return found
@@ -35,31 +49,156 @@ def find_cargo() -> str | None:
     return str(home) if home.is_file() else None
 
 
+def debian_crates_dir() -> Path:
+    return Path(os.environ.get("VALEN_DEBIAN_CRATES") or "/usr/share/cargo/registry")
+
+
+def native_required() -> bool:
+    return os.environ.get("VALEN_NATIVE_REQUIRED") == "1"
+
+
+def cargo_env(cargo: str) -> dict[str, str]:
+    return dict(os.environ, PATH=f"{Path(cargo).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # rustc beside cargo
+
+
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+SKIP_PREFIX = "native check not run: "
+NO_CARGO = 'cargo not found (not on PATH, not in ~/.cargo/bin); README.md, "Check an export natively", says how to get it'
+
+
 def _unavailable(reason: str):
-    if os.environ.get("VALEN_NATIVE_REQUIRED") == "1":
-        pytest.fail(f"native check required but {reason}")
-    pytest.skip(f"native check skipped: {reason}")
+    if native_required():
+        pytest.fail(f"native check required (VALEN_NATIVE_REQUIRED=1) but {reason}")
+    pytest.skip(SKIP_PREFIX + reason)
+
+
+def crate_source_args(cargo: str, env: dict[str, str]) -> list[str]:
+    """cargo arguments that make every crate local: Debian's (the opt-in) when its directory exists, else crates.io's, fetched."""
+    debian = debian_crates_dir()
+    if debian.is_dir():
+        prepare = subprocess.run(
+            [sys.executable, str(PREPARE_DEBIAN_CRATES), "--from", str(debian)],
+            capture_output=True, text=True, timeout=FETCH_TIMEOUT_S,
+        )
+        if prepare.returncode != 0:
+            _unavailable(f"Debian's crates in {debian} do not match native/Cargo.lock (`make native-deps` installs them): {prepare.stderr.strip().splitlines()[0]}")
+        return ["--config", str(DEBIAN_OPT_IN)]
+    for offline in (["--offline"], []):  # crates cargo downloaded before need no network
+        fetch = subprocess.run(
+            [cargo, "fetch", "--locked", *offline, "--manifest-path", str(CRATE)],
+            capture_output=True, text=True, timeout=FETCH_TIMEOUT_S, env=env, cwd=NATIVE,
+        )
+        if fetch.returncode == 0:
+            break
+    if fetch.returncode != 0:
+        _unavailable(
+            f"cargo found, but no crates: `cargo fetch` from crates.io failed ({last_line(fetch.stderr)}) "
+            f"and Debian's are not installed ({debian} missing; `make native-deps`, as root)"
+        )
+    return []
+
+
+@contextmanager
+def one_build_at_a_time():
+    """Serialize builds across processes (pytest-xdist workers): each replaces the copy of Debian's crates."""
+    (NATIVE / "target").mkdir(exist_ok=True)
+    with open(NATIVE / "target" / ".valen-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="session")
 def native_binary() -> Path:
-    """Path of a freshly built valen-native-check; skips when cargo or the crate is missing."""
+    """Path of a freshly built valen-native-check; skips (see the module's docstring) when it cannot be built."""
     cargo = find_cargo()
     if cargo is None:
-        _unavailable("cargo not found (install Rust, then `make native-deps native-check`)")
-    if not CRATE.is_file():
-        _unavailable(f"{CRATE.relative_to(REPO)} not found")
-    env = dict(os.environ, PATH=f"{Path(cargo).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # rustc beside cargo
-    # Run from native/: cargo looks for .cargo/config.toml (the Debian directory source) from the
-    # working directory upwards, not from --manifest-path; from native/ it is found either way.
-    build = subprocess.run(
-        [cargo, "build", "--release", "--offline", "--manifest-path", str(CRATE)],
-        capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, env=env, cwd=CRATE.parent,
-    )
+        _unavailable(NO_CARGO)
+    env = cargo_env(cargo)
+    with one_build_at_a_time():
+        build = subprocess.run(
+            [cargo, "build", "--release", "--locked", "--offline", *crate_source_args(cargo, env), "--manifest-path", str(CRATE)],
+            capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, env=env, cwd=NATIVE,
+        )
     if build.returncode != 0:
         # A build failure is a real failure, not a skip: the crate is part of the product.
-        pytest.fail("cargo build of native/ failed (`make native-deps` installs its crates):\n" + build.stderr[-4000:])
+        pytest.fail("cargo build of native/ failed:\n" + build.stderr[-4000:])
     return BINARY
+
+
+@pytest.fixture()
+def cargo() -> str:
+    """cargo, for the tests of how the crate resolves (no build); without it, the native_binary skip."""
+    found = find_cargo()
+    if found is None:
+        _unavailable(NO_CARGO)
+    return found
+
+
+@pytest.fixture()
+def build_lock():
+    with one_build_at_a_time():
+        yield
+
+
+# --- one line when the Rust reader was skipped; VALEN_NATIVE_REQUIRED=1 also means that it ran ------
+
+
+def _native_skip_reason(report) -> str | None:
+    if report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+        if reason.startswith(SKIP_PREFIX):
+            return reason
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # pytest reports a fixture's skip at each test's own line, so `-ra` would print one line per
+    # test function; one location for all of them folds them into a single line.
+    outcome = yield
+    report = outcome.get_result()
+    reason = _native_skip_reason(report)
+    if reason is not None:
+        report.longrepr = (str(Path(__file__).relative_to(REPO)), _unavailable.__code__.co_firstlineno, reason)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if terminalreporter.hasopt("s"):  # `-ra` / `-rs` already printed the folded line
+        return
+    reasons = {reason for report in terminalreporter.stats.get("skipped", []) if (reason := _native_skip_reason(report))}
+    for reason in sorted(reasons):
+        terminalreporter.write_line(reason)
+
+
+_native_reader_passes = 0
+
+
+def pytest_runtest_setup(item):
+    if "native_binary" in getattr(item, "fixturenames", ()) and NATIVE_READER not in item.user_properties:
+        item.user_properties.append(NATIVE_READER)
+
+
+def pytest_runtest_logreport(report):
+    global _native_reader_passes
+    if report.when == "call" and report.passed and NATIVE_READER in report.user_properties:
+        _native_reader_passes += 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the controller sees every report
+        return
+    if native_required() and exitstatus == pytest.ExitCode.OK and _native_reader_passes == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        line = "native check required (VALEN_NATIVE_REQUIRED=1) but no test ran the Rust reader (tests/native, marked slow)"
+        if reporter is not None:
+            reporter.write_line(line, red=True)
+        else:
+            print(line, file=sys.stderr)
 
 
 # --- damaging an export -------------------------------------------------------------------------

@@ -3,8 +3,9 @@ valen-native-check (Rust, native/). Both accept fresh tiny exports in both LoRA 
 one also recomputes the conformance vectors) and both refuse each damaged copy with exit 1.
 
 The Rust side is marked slow (its first build takes minutes: `make test` and `make native-check`
-run it, `make test-fast` does not); it needs cargo and Debian's crate packages (`make native-deps`); without cargo it is
-skipped with a plain message (`make native-check` makes that a failure instead).
+run it, `make test-fast` does not); it needs cargo and the crate's dependencies (Debian's packages,
+`make native-deps`, or crates.io); without them it is skipped with one plain line
+(`make native-check` and CI make that a failure instead; tests/native/conftest.py).
 """
 
 from __future__ import annotations
