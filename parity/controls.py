@@ -1,8 +1,9 @@
 """Negative controls: realistic defects the parity gate must fail (test-only; nothing here is
 reachable from valen-run, valen-parity or any environment variable).
 
-Each control is either a damaged copy of an export or an in-process patch of one runtime
-function, applied only inside a `with control.applied():` block, and names which gate
+Each control is either a damaged copy of an export or an in-process replacement of one runtime
+function through its fault seam (valen_runtime/faults.py), applied only inside a
+`with control.applied():` block, and names which gate
 configurations run the code it damages (`exercised_by`). `parity.gate --controls` and
 tests/parity/test_negative_controls.py run every control in every such configuration and expect
 the gate to fail it.
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from valen_runtime import faults
 from valen_runtime.options import EngineOptions
 
 LORA_TENSOR = "layers.1.linear_attn.in_proj_qkv.lora_A"
@@ -68,88 +70,69 @@ def perturb_lora_element(src: Path, dst: Path, name_part: str = LORA_TENSOR, del
     return name
 
 
-@contextlib.contextmanager
-def _patched(owner, name: str, replacement):
-    original = getattr(owner, name)
-    setattr(owner, name, replacement)
-    try:
-        yield original
-    finally:
-        setattr(owner, name, original)
-
-
-@contextlib.contextmanager
 def l2norm_in_bf16():
-    """The fast path's GDN layers (valen_runtime.fast.layers, eager and compiled alike) normalise
-    q/k in bf16 whatever the model dtype. The reference modules keep their own l2norm."""
+    """The fast path's GDN layers (eager and compiled alike) normalise q/k in bf16 whatever the
+    model dtype. The reference modules keep their own l2norm."""
     import torch
 
-    from valen_runtime.fast import layers
-    from valen_runtime.gated_delta import l2norm
+    def make(l2norm):
+        def bf16_l2norm(x, eps: float = 1e-6):
+            return l2norm(x.to(torch.bfloat16), eps).to(x.dtype)
 
-    def bf16_l2norm(x, eps: float = 1e-6):
-        return l2norm(x.to(torch.bfloat16), eps).to(x.dtype)
+        return bf16_l2norm
 
-    with _patched(layers, "l2norm", bf16_l2norm):
-        yield
+    return faults.replaced("fast-l2norm", make)
 
 
-@contextlib.contextmanager
 def mrope_sections_swapped():
     """The text rotary embedding uses (t, w, h) where the config says (t, h, w)."""
-    from valen_runtime.qwen35 import TextRotaryEmbedding
 
-    original = TextRotaryEmbedding._interleave
+    def make(interleave):
+        def swapped(self, freqs):
+            t, h, w = self.mrope_section
+            saved, self.mrope_section = self.mrope_section, (t, w, h)
+            try:
+                return interleave(self, freqs)
+            finally:
+                self.mrope_section = saved
 
-    def swapped(self, freqs):
-        t, h, w = self.mrope_section
-        saved, self.mrope_section = self.mrope_section, (t, w, h)
-        try:
-            return original(self, freqs)
-        finally:
-            self.mrope_section = saved
+        return swapped
 
-    with _patched(TextRotaryEmbedding, "_interleave", swapped):
-        yield
+    return faults.replaced("mrope-interleave", make)
 
 
-@contextlib.contextmanager
 def probabilities_swapped():
-    """Engine.run (its finish step, through engine.batch_probabilities) gets the first
-    multi-candidate question's first two probabilities exchanged."""
-    from valen_runtime import engine
+    """Engine.run (its finish step) gets the first multi-candidate question's first two
+    probabilities exchanged."""
 
-    original = engine.batch_probabilities
+    def make(batch_probabilities):
+        def swapping(logits, counts, temperature=1.0):
+            probs, host_logits = batch_probabilities(logits, counts, temperature)
+            for p in probs:
+                if len(p) >= 2:
+                    p[0], p[1] = p[1], p[0]
+                    break
+            return probs, host_logits
 
-    def swapping(logits, counts, temperature=1.0):
-        probs, host_logits = original(logits, counts, temperature)
-        for p in probs:
-            if len(p) >= 2:
-                p[0], p[1] = p[1], p[0]
-                break
-        return probs, host_logits
+        return swapping
 
-    with _patched(engine, "batch_probabilities", swapping):
-        yield
+    return faults.replaced("probabilities", make)
 
 
-@contextlib.contextmanager
 def resize_rounding_half_up():
-    """smart_resize with side / factor rounded half up (floor(x + 0.5)) instead of half to even
-    (patched in valen_runtime.image, where request.py's image decoding calls it)."""
-    from valen_runtime import image
+    """smart_resize with side / factor rounded half up (floor(x + 0.5)) instead of half to even."""
 
-    original = image.smart_resize
+    def make(smart_resize):
+        def half_up(height, width, factor, min_pixels, max_pixels):
+            h_bar = math.floor(height / factor + 0.5) * factor
+            w_bar = math.floor(width / factor + 0.5) * factor
+            if h_bar * w_bar > max_pixels or h_bar * w_bar < min_pixels:
+                return smart_resize(height, width, factor, min_pixels, max_pixels)
+            return h_bar, w_bar
 
-    def half_up(height, width, factor, min_pixels, max_pixels):
-        h_bar = math.floor(height / factor + 0.5) * factor
-        w_bar = math.floor(width / factor + 0.5) * factor
-        if h_bar * w_bar > max_pixels or h_bar * w_bar < min_pixels:
-            return original(height, width, factor, min_pixels, max_pixels)
-        return h_bar, w_bar
+        return half_up
 
-    with _patched(image, "smart_resize", half_up):
-        yield
+    return faults.replaced("image-smart-resize", make)
 
 
 @dataclass(frozen=True)
