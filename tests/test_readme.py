@@ -3,8 +3,9 @@
 Every bash block of README.md that shows a response (a `# {"model": ...}` line) runs in bash in
 a scratch directory where `make demo`'s export has been built (valen_export/demo.py), with
 `valen-run` and `curl` replaced by shell functions that record the request and where it was sent
-(a curl goes to the export of the README's last `valen-serve` before it). Each recorded request is then answered by the engine valen-run and valen-serve
-run on the CPU, and the answer compared with the README's next `# {...}` line.
+(a curl goes to the export of the README's last `valen-serve` before it). Each recorded request
+is then answered by the engine valen-run and valen-serve run on the CPU, and the answer compared
+with the README's next `# {...}` line.
 """
 
 from __future__ import annotations
