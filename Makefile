@@ -22,7 +22,8 @@ NATIVE_NO_CARGO := cargo not found; install Rust (README.md, section Check an ex
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt
+	@echo "Installing requirements.txt into $(VENV) (torch and the pinned reference stack): 3-5 minutes the first time, mostly downloads."
+	$(BIN)/pip install --disable-pip-version-check -r requirements.txt
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

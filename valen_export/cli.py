@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -58,19 +59,27 @@ def fixture_command(out: Path, preset: str, seed: int, rlcd: bool) -> None:
     """
     from .fixture import build_fixture
 
-    bar = _progress_bar(None, "tensor", f"fixture ({preset})")
+    # Stage lines always (the 2b preset writes ~4.5 GB for a minute or more); the bar only on a terminal.
+    bars = []
 
     def advance(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
+        if not bars:
+            bars.append(_progress_bar(total, "tensor", "  base weights"))
+        bars[0].update(done - bars[0].n)
+        if done == total:
+            bars[0].close()
 
+    started = time.monotonic()
     try:
-        fx = build_fixture(out, preset=preset, seed=seed, rlcd=rlcd, progress=advance if bar is not None else None)
+        _log(f"valen-fixture: writing the {preset} preset (seed {seed}) to {out}")
+        fx = build_fixture(out, preset=preset, seed=seed, rlcd=rlcd, progress=advance if sys.stderr.isatty() else None,
+                           log=lambda line: _log(f"  {line}"))
     except (ValenError, FileExistsError, ValueError) as e:
         _fail(e)
     finally:
-        if bar is not None:
+        for bar in bars:
             bar.close()
+    _log(f"valen-fixture: done in {time.monotonic() - started:.0f} s")
     click.echo(f"base:       {fx.base}\ncheckpoint: {fx.checkpoint}\npins:       {fx.pins}")
 
 

@@ -43,27 +43,36 @@ def demo_requests() -> list[dict]:
     ]
 
 
-def main(out: Path) -> int:
+def build_exports(out: Path, report=print) -> dict[str, Path]:
+    """The demo's artifacts, made afresh under OUT: the tiny fixture (seed 0) and its export in both
+    LoRA modes, {mode: export dir}. The README's example outputs are those of OUT/export-separate
+    (tests/test_readme.py builds it with this function)."""
     from valen_export.export import export
     from valen_export.fixture import build_fixture
-    from valen_export.verify import verify_export
-    from valen_runtime.engine import Engine
-    from valen_runtime.options import EngineOptions
-    from valen_runtime.wire import response_body
 
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     t = time.perf_counter()
     fx = build_fixture(out / "fixture", preset="tiny", seed=0)
-    print(f"1. fixture   {fx.root}  (tiny Qwen3.5 base + Valen checkpoint.pt, {time.perf_counter() - t:.1f} s)")
+    report(f"1. fixture   {fx.root}  (tiny Qwen3.5 base + Valen checkpoint.pt, {time.perf_counter() - t:.1f} s)")
     exports = {}
     for mode in ("separate", "merged"):
         t = time.perf_counter()
         exports[mode] = out / f"export-{mode}"
         m = export(fx.checkpoint, fx.base, exports[mode], lora_mode=mode, pins_path=fx.pins, progress=False)
         size = sum(f["size"] for f in m["files"].values())
-        print(f"2. export    {exports[mode]}  (lora {mode}: {len(m['files'])} files, {size / 1024:.0f} KiB, {time.perf_counter() - t:.1f} s)")
+        report(f"2. export    {exports[mode]}  (lora {mode}: {len(m['files'])} files, {size / 1024:.0f} KiB, {time.perf_counter() - t:.1f} s)")
+    return exports
+
+
+def main(out: Path) -> int:
+    from valen_export.verify import verify_export
+    from valen_runtime.engine import Engine
+    from valen_runtime.options import EngineOptions
+    from valen_runtime.wire import response_body
+
+    exports = build_exports(out)
     for mode, d in exports.items():
         failures = verify_export(d)
         print(f"3. verify    {d.name}: {'ok' if not failures else 'FAILED'}")
@@ -78,6 +87,7 @@ def main(out: Path) -> int:
         print(f"4. request {i} ({'image' if isinstance(req['state'], dict) else 'text'} state, {time.perf_counter() - t:.2f} s):")
         print("   " + json.dumps(resp, ensure_ascii=False, indent=2).replace("\n", "\n   "))
     print("Random weights: the answers show the pipeline works, not what the real model would say.")
+    print(f"Next: the README's example requests, answered by valen-run --export {exports['separate']}")
     return 0
 
 

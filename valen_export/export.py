@@ -159,6 +159,13 @@ def _check_destination(out: Path, base: Path, checkpoint: Path) -> None:
             raise ExportError(f"{out}: must not be inside the input folder {src}")
 
 
+def _default_pins_hint(checkpoint_dir: Path) -> str:
+    """What to do when the built-in pins refuse a checkpoint: usually a synthetic fixture exported without its pins."""
+    fixture_pins = checkpoint_dir.parent / "pins.json"
+    where = f"pass --pins {fixture_pins}" if fixture_pins.is_file() else "pass --pins OUT/pins.json"
+    return f"; the built-in pins are for the real Valen-Preview-0923 release: a valen-fixture OUT comes with its own OUT/pins.json ({where})"
+
+
 def export(
     checkpoint_dir: Path,
     base_dir: Path,
@@ -174,11 +181,12 @@ def export(
         raise ExportError(f"--lora: {lora_mode!r} is not one of separate, merged")
     out = Path(out)
     log = log or (lambda msg: None)
+    hash_hint = "" if pins_path else _default_pins_hint(Path(checkpoint_dir))
     pins_path = Path(pins_path) if pins_path else DEFAULT_PINS
     pins = load_pins(pins_path)
     _check_destination(out, base_dir, checkpoint_dir)
 
-    checkpoint = open_checkpoint(Path(checkpoint_dir), pins, log)
+    checkpoint = open_checkpoint(Path(checkpoint_dir), pins, log, hash_hint=hash_hint)
     base = open_base(Path(base_dir), pins, checkpoint, log)
     check_base_inventory(base)
     check_trainable_set(checkpoint, base, pins)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import random
 import shutil
 from dataclasses import dataclass
@@ -136,6 +137,35 @@ def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> t
     return torch.randn(shape, generator=gen) * (fan_in**-0.5)
 
 
+# Tensors larger than this are drawn and written in blocks of rows: whole, the 2b preset's
+# embedding is a 2 GiB float32 draw plus its 1 GiB bf16 copy, most of the command's peak memory.
+BLOCK_ELEMENTS = 1 << 22
+
+
+def _random_blocks(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator, block_elements: int = BLOCK_ELEMENTS):
+    """_random_tensor(name, shape, gen).to(dtype), yielded as consecutive blocks of rows, the same values.
+
+    torch's CPU normal sampler draws a tensor's uniforms in one sequence, transforms them 16 at a
+    time and redraws the last 16 when the count is not a multiple of 16. Every block but the last
+    holds a multiple of 16 elements and the last at least 16 (a row has 16 or more), so the
+    generator is consumed exactly as by one whole draw (tests/valen_export/test_fixture.py checks).
+    """
+    row_elements = 1
+    for d in shape[1:]:
+        row_elements *= d
+    block_rows = block_elements // max(row_elements, 1) // 16 * 16
+    if len(shape) < 2 or shape[0] * row_elements <= block_elements or block_rows == 0 or row_elements < 16:
+        yield _random_tensor(name, shape, gen).to(dtype)
+        return
+    for start in range(0, shape[0], block_rows):
+        rows = min(block_rows, shape[0] - start)
+        yield _random_tensor(name, (rows,) + tuple(shape[1:]), gen).to(dtype)
+
+
+def _size_text(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
 def _base_dtype(name: str) -> torch.dtype:
     return torch.float32 if name.endswith(inventory.FP32_IN_BASE_SUFFIXES) else torch.bfloat16
 
@@ -150,7 +180,7 @@ def base_tensor_plan(config: dict) -> list[tuple[str, torch.dtype, tuple[int, ..
     return sorted(plan)
 
 
-def write_base(base: Path, preset: str, seed: int, progress=None) -> dict:
+def write_base(base: Path, preset: str, seed: int, progress=None, log=None) -> dict:
     """Write the base folder; returns its valen_manifest.json dict."""
     base.mkdir(parents=True)
     token_ids = write_text_assets(base)
@@ -159,9 +189,12 @@ def write_base(base: Path, preset: str, seed: int, progress=None) -> dict:
 
     gen = torch.Generator().manual_seed(seed)
     plan = base_tensor_plan(config)
+    if log:
+        size = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in plan)
+        log(f"base/{BASE_WEIGHTS_FILE}: {len(plan)} random tensors, {_size_text(size)}")
     writer = StreamingWriter(base / BASE_WEIGHTS_FILE, plan, metadata={"format": "pt"})
     for done, (name, dtype, shape) in enumerate(plan, 1):
-        writer.write(name, _random_tensor(name, shape, gen).to(dtype))
+        writer.write_blocks(name, dtype, shape, _random_blocks(name, shape, dtype, gen))
         if progress:
             progress(done, len(plan))
     digest, size = writer.close()
@@ -240,12 +273,15 @@ def trainable_weights(base: Path, config: dict, rule: dict, seed: int) -> dict[s
     return weights
 
 
-def write_checkpoint(ckpt: Path, base: Path, base_manifest: dict, preset: str, seed: int, rlcd: bool) -> str:
+def write_checkpoint(ckpt: Path, base: Path, base_manifest: dict, preset: str, seed: int, rlcd: bool, log=None) -> str:
     """Write checkpoint/config.json and checkpoint.pt the way Valen's trainer does; returns the sha256."""
     ckpt.mkdir(parents=True)
     config = json.loads((base / "config.json").read_text())
     rule = json.loads(PREVIEW_PINS.read_text())["trainable_inventory"]
     weights = trainable_weights(base, config, rule, seed)
+    if log:
+        size = sum(t.numel() * t.element_size() for t in weights.values()) * (2 if rlcd else 1)
+        log(f"checkpoint/checkpoint.pt: {len(weights)} trained tensors{' and their RLCD decoys' if rlcd else ''}, {_size_text(size)}")
     train_config = checkpoint_config(preset)
     if rlcd:
         train_config["method"] = "rlcd"
@@ -300,9 +336,10 @@ def fixture_pins(config: dict, base_manifest: dict, checkpoint_sha: str, preset:
     return pins
 
 
-def build_fixture(out: Path, preset: str = "tiny", seed: int = 0, rlcd: bool = False, progress=None) -> Fixture:
+def build_fixture(out: Path, preset: str = "tiny", seed: int = 0, rlcd: bool = False, progress=None, log=None) -> Fixture:
     """Write OUT/base, OUT/checkpoint and OUT/pins.json. OUT must not exist or be empty.
-    progress(done, total) is called after each base tensor (the bulk of the time)."""
+    progress(done, total) is called after each base tensor (the bulk of the time); log(line)
+    before each file that takes a while, naming it and its size."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out}: exists and is not empty; choose a new directory")
@@ -311,8 +348,8 @@ def build_fixture(out: Path, preset: str = "tiny", seed: int = 0, rlcd: bool = F
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        base_manifest = write_base(tmp / "base", preset, seed, progress)
-        sha = write_checkpoint(tmp / "checkpoint", tmp / "base", base_manifest, preset, seed, rlcd)
+        base_manifest = write_base(tmp / "base", preset, seed, progress, log)
+        sha = write_checkpoint(tmp / "checkpoint", tmp / "base", base_manifest, preset, seed, rlcd, log)
         config = json.loads((tmp / "base" / "config.json").read_text())
         pins = fixture_pins(config, base_manifest, sha, preset)
         (tmp / "pins.json").write_text(json.dumps(pins, indent=2) + "\n")

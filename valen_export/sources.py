@@ -84,7 +84,8 @@ def check_training_config(config: dict, expected: dict, where: str) -> None:
             raise ExportError(f"{where}: field {key!r} is {shown(repr(got))[:80]}, expected {want!r}")
 
 
-def open_checkpoint(folder: Path, pins: dict, progress=None) -> Checkpoint:
+def open_checkpoint(folder: Path, pins: dict, progress=None, hash_hint: str = "") -> Checkpoint:
+    """hash_hint is appended to a checkpoint.pt hash mismatch (what to do about it)."""
     folder = Path(folder)
     config = read_json(folder / "config.json", "Valen training config")
     check_training_config(config, pins["expected_config"], str(folder / "config.json"))
@@ -96,7 +97,7 @@ def open_checkpoint(folder: Path, pins: dict, progress=None) -> Checkpoint:
     sha = sha256_file(path)
     want = pins["checkpoint"].get("checkpoint_sha256")
     if sha != want:
-        raise ExportError(f"{path}: sha256 {sha} does not match the pinned {want} (pins checkpoint.checkpoint_sha256)")
+        raise ExportError(f"{path}: sha256 {sha} does not match the pinned {want} (pins checkpoint.checkpoint_sha256){hash_hint}")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:

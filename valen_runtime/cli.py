@@ -2,8 +2,9 @@
 
 The request is read and checked by the wire contract (wire.py) before the export is loaded: at
 most 8 MiB + 1 byte is ever read, from a file or from stdin. The response is the body valen-serve
-sends for the same request. Expected failures (bad request, bad export) print one line to stderr
-and exit 2.
+sends for the same request. Every file of the export is re-hashed against its manifest before
+anything is loaded, as valen-serve does (`--verify size` or `none` opts out). Expected failures
+(bad request, bad export) print one line to stderr and exit 2.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from .errors import ValenError
 @click.option("--mode", type=click.Choice(["per-branch", "shared-prefix"]), default=None, help="Execution mode (default: shared-prefix on CUDA, per-branch on CPU).")
 @click.option("--temperature", type=float, default=None, help="Softmax temperature (default 1.0).")
 @click.option("--calibration", type=click.Path(path_type=Path), default=None, help="Calibration JSON with a scalar 'temperature'.")
-@click.option("--verify", type=click.Choice(["none", "size", "full"]), default="size", show_default=True, help="Check file sizes, or re-hash every file, before loading.")
+@click.option("--verify", type=click.Choice(["full", "size", "none"]), default="full", show_default=True,
+              help="Before loading: re-hash every file against the manifest (full, as valen-serve and valen-verify do), "
+                   "check only the sizes (size: skips a few seconds of hashing on a 2B export, and misses damage that keeps a file's size), or neither (none).")
 @click.option("--compile/--no-compile", "compile_", default=False, show_default=True,
               help="torch.compile the CUDA fast path (off here: one request per process cannot repay about a minute of compiling; a long-lived Engine compiles by default).")
 @click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=False, show_default=True,

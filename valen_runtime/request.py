@@ -664,10 +664,7 @@ class Compiler:
             suffix += decision
             length = base_length + len(suffix)
             if length > self.max_length:
-                raise RequestError(
-                    f"questions.{question.qid}",
-                    f"{question.qid}: {length} tokens exceed max_length={self.max_length}; no truncation",
-                )
+                raise RequestError(f"questions.{question.qid}", f"{length} tokens exceed max_length={self.max_length}; no truncation")
             branches.append(Branch(suffix_ids=suffix, candidate_positions=positions, decision_position=length - 1))
         return Question(
             qid=question.qid,

@@ -208,8 +208,8 @@ def header_for(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata
 class StreamingWriter:
     """Write a safetensors file tensor by tensor, hashing as it goes.
 
-    The caller declares every (name, dtype, shape) up front, then calls `write(name, tensor)` in
-    exactly that order. `close()` returns (sha256 hex, size).
+    The caller declares every (name, dtype, shape) up front, then calls `write(name, tensor)` (or
+    `write_blocks` with row blocks) in exactly that order. `close()` returns (sha256 hex, size).
     """
 
     def __init__(self, path: str | os.PathLike, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata=None):
@@ -228,14 +228,27 @@ class StreamingWriter:
         self._size += len(data)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        self.write_blocks(name, tensor.dtype, tuple(tensor.shape), [tensor])
+
+    def write_blocks(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], blocks) -> None:
+        """Write the next planned tensor from consecutive blocks along its first dimension, so that
+        a tensor never has to exist whole in memory (the 2b fixture's 1 GiB embedding)."""
         exp_name, exp_dtype, exp_shape = self.plan[self._next]
-        if name != exp_name or tensor.dtype != exp_dtype or tuple(tensor.shape) != tuple(exp_shape):
-            raise ValueError(
-                f"{self.path.name}: expected {exp_name} {exp_dtype} {list(exp_shape)} next, got {name} {tensor.dtype} {list(tensor.shape)}"
-            )
-        t = tensor.detach().to("cpu").contiguous()
-        if t.numel():
-            self._emit(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        if name != exp_name or dtype != exp_dtype or tuple(shape) != tuple(exp_shape):
+            raise ValueError(f"{self.path.name}: expected {exp_name} {exp_dtype} {list(exp_shape)} next, got {name} {dtype} {list(shape)}")
+        want_rows = exp_shape[0] if len(exp_shape) else 1  # a scalar is one block of one "row"
+        rows = 0
+        for block in blocks:
+            if block.dtype != exp_dtype or (block.dim() == 0) != (len(exp_shape) == 0) or tuple(block.shape[1:]) != tuple(exp_shape[1:]):
+                raise ValueError(f"{self.path.name}: {name}: block {block.dtype} {list(block.shape)} does not fit {exp_dtype} {list(exp_shape)}")
+            rows += block.shape[0] if block.dim() else 1
+            if rows > want_rows:  # before writing: a surplus row would shift every later tensor
+                raise ValueError(f"{self.path.name}: {name}: blocks hold more than the {want_rows} rows planned")
+            t = block.detach().to("cpu").contiguous()
+            if t.numel():
+                self._emit(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        if rows != want_rows:
+            raise ValueError(f"{self.path.name}: {name}: blocks hold {rows} rows, expected {want_rows}")
         self._next += 1
 
     def close(self) -> tuple[str, int]:

@@ -227,3 +227,17 @@ def test_verify_refuses_odd_config_values_in_one_line(tiny_export, tmp_path, cha
     result = CliRunner().invoke(verify_command, [str(bad)])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output  # a refusal, not a crash
     assert "config.json" in result.output and "Traceback" not in result.output
+
+
+def test_synthetic_checkpoint_without_pins_says_to_pass_its_pins(tiny_fixture, tmp_path):
+    """The built-in pins are the real release's; a fixture's own pins.json is what its checkpoint needs."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(export_command, ["--checkpoint", str(tiny_fixture.checkpoint), "--base", str(tiny_fixture.base), "--out", str(out), "--no-progress"])
+    assert_refused(result, out, "checkpoint.pt: sha256", "does not match the pinned", "built-in pins are for the real Valen-Preview-0923", f"--pins {tiny_fixture.pins}")
+
+
+def test_explicit_pins_mismatch_has_no_fixture_hint(work, tmp_path):
+    repin(work, checkpoint_sha256="0" * 64)
+    result = run_export(work / "checkpoint", work / "base", work / "pins.json", tmp_path / "out")
+    assert_refused(result, tmp_path / "out", "does not match the pinned")
+    assert "built-in pins" not in result.output

@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -605,3 +606,19 @@ def test_the_reference_engines_run_a_batch_one_by_one(tiny_export, batch_request
         assert not engine.batches
         for request, got in zip(batch_requests[:2], engine.run_many(batch_requests[:2])):
             assert all(torch.equal(a, b) for a, b in zip(got.logits, engine.run(request).logits))
+
+
+def test_valen_run_refuses_a_flipped_byte_unless_told_to_check_sizes_only(tiny_export, tmp_path):
+    """A damaged file of the same size is refused by default, as valen-serve and valen-verify refuse it."""
+    export = Path(shutil.copytree(tiny_export["separate"], tmp_path / "export"))
+    head = export / "valen_head.safetensors"
+    data = bytearray(head.read_bytes())
+    data[-1] ^= 0x01  # the last byte of the last tensor: the file still parses, one value changes
+    head.write_bytes(bytes(data))
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps(TEXT_REQUEST))
+    refused = CliRunner().invoke(valen_run, ["--export", str(export), "--device", "cpu", str(req)])
+    assert refused.exit_code == 2, refused.output
+    assert refused.output.count("\n") == 1 and "valen_head.safetensors: sha256" in refused.output and "does not match the manifest's" in refused.output
+    opted_out = CliRunner().invoke(valen_run, ["--export", str(export), "--device", "cpu", "--verify", "size", str(req)])
+    assert opted_out.exit_code == 0 and json.loads(opted_out.output)["answers"]
