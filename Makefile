@@ -27,8 +27,13 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# The exporter's half builds and verifies both exports and writes two requests; valen-run answers them.
 demo: $(STAMP)
 	$(BIN)/python -m valen_export.demo build/demo
+	@for kind in text image; do echo "5. valen-run --export build/demo/export-separate build/demo/$$kind-request.json"; \
+	  $(BIN)/valen-run --export build/demo/export-separate build/demo/$$kind-request.json || exit 1; done
+	@echo "Random weights: the answers show the pipeline works, not what the real model would say."
+	@echo "Next: the README's example requests, answered by valen-run --export build/demo/export-separate"
 
 # Hypothesis runs derandomized with no example database in tests (profile "ci", tests/conftest.py).
 test: $(STAMP)

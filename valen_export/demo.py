@@ -1,7 +1,7 @@
-"""`make demo`: the whole job on synthetic artifacts, with a readable summary.
-
-tiny fixture -> export (separate and merged LoRA) -> valen-verify both -> answer one text request
-and one image request with the runtime. Usage: python -m valen_export.demo OUTDIR
+"""`make demo`'s exporter half: tiny fixture -> export (separate and merged LoRA) -> valen-verify
+both, and the two demo requests written beside them. The Makefile then answers them with
+`valen-run`, the tool a user runs (the exporter never imports the engine).
+Usage: python -m valen_export.demo OUTDIR
 """
 
 from __future__ import annotations
@@ -68,9 +68,6 @@ def build_exports(out: Path, report=print) -> dict[str, Path]:
 
 def main(out: Path) -> int:
     from valen_export.verify import verify_export
-    from valen_runtime.engine import Engine
-    from valen_runtime.options import EngineOptions
-    from valen_runtime.wire import response_body
 
     exports = build_exports(out)
     for mode, d in exports.items():
@@ -80,14 +77,10 @@ def main(out: Path) -> int:
             print(f"             {f}")
         if failures:
             return 1
-    engine = Engine.load(exports["separate"], EngineOptions(device="cpu", dtype="bf16"))
-    for i, req in enumerate(demo_requests(), 1):
-        t = time.perf_counter()
-        resp = response_body(engine.answer(req))  # what valen-run and valen-serve send
-        print(f"4. request {i} ({'image' if isinstance(req['state'], dict) else 'text'} state, {time.perf_counter() - t:.2f} s):")
-        print("   " + json.dumps(resp, ensure_ascii=False, indent=2).replace("\n", "\n   "))
-    print("Random weights: the answers show the pipeline works, not what the real model would say.")
-    print(f"Next: the README's example requests, answered by valen-run --export {exports['separate']}")
+    for name, request in zip(("text", "image"), demo_requests()):
+        path = out / f"{name}-request.json"
+        path.write_text(json.dumps(request, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+        print(f"4. request   {path}  ({name} state)")
     return 0
 
 
