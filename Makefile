@@ -36,8 +36,13 @@ demo: $(STAMP)
 	@echo "Next: the README's example requests, answered by valen-run --export build/demo/export-separate"
 
 # Hypothesis runs derandomized with no example database in tests (profile "ci", tests/conftest.py).
+# The suite runs in TEST_WORKERS pytest-xdist processes (default: one per core), each on one torch
+# thread: most tests are single-threaded compiles, subprocesses and waits, and a second thread per
+# process only spins against the other worker.
+TEST_WORKERS ?= auto
+PYTEST := OMP_NUM_THREADS=1 HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 test: $(STAMP)
-	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -m "not gpu" tests
+	$(PYTEST) -m "not gpu" tests
 	$(MAKE) parity-gate
 
 # Random search for people hunting bugs: the same properties, many more examples, failures kept
@@ -46,10 +51,10 @@ fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -q -m "hypothesis and not gpu" tests
 
 test-fast: $(STAMP)
-	HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -m "not gpu and not slow" tests
+	$(PYTEST) -m "not gpu and not slow" tests
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m "slow" tests
+	$(PYTEST) -m "slow" tests
 
 # The CI parity gate: tiny fixture, both LoRA modes x fp32/bf16 x per-branch, shared-prefix and the fast kernels, the generated CI set (docs/parity.md).
 parity-gate: $(STAMP)
