@@ -380,6 +380,9 @@ class WorkerApp:
         length = int(lengths[0])
         if length > MAX_BODY:
             raise _Answer(413, f"body is {length} bytes; the limit is {MAX_BODY}")
+        content_types = headers.getlist("content-type")
+        if len(content_types) > 1:  # conflicting or not, the body's type would be a guess
+            raise _Answer(415, f"exactly one Content-Type header is allowed, got {len(content_types)}")
         if _media_type(headers.get("content-type")) != "application/json":
             raise _Answer(415, "Content-Type must be application/json")
         if self.draining():

@@ -298,6 +298,9 @@ def test_header_refusals(worker):
     assert raw_exchange(port, head_bytes(MAX_BODY + 1)) == (413, {"detail": f"body is {MAX_BODY + 1} bytes; the limit is {MAX_BODY}"})
     assert raw_exchange(port, head_bytes(2, content_type=b"text/plain") + b"{}") == (415, {"detail": "Content-Type must be application/json"})
     assert raw_exchange(port, head_bytes(2, content_type=b"") + b"{}")[0] == 415
+    for second in (b"text/plain", b"application/json"):  # a second Content-Type, conflicting or not
+        two = raw_exchange(port, head_bytes(2, b"Content-Type: " + second + b"\r\n") + b"{}")
+        assert two == (415, {"detail": "exactly one Content-Type header is allowed, got 2"}), second
     status, body, _ = post(port, text_request(), {"Content-Type": "Application/JSON; charset=utf-8"})
     assert status == 200 and body["model"] == MODEL
 
