@@ -601,6 +601,7 @@ def _configure_logging() -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
     log.setLevel(logging.INFO)
+    logging.captureWarnings(True)  # a library's warning (Pillow on an odd image, ...) is a JSON line too, never raw text
 
 
 def _bind(host: str, port: int) -> socket.socket:

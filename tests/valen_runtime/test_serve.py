@@ -370,6 +370,38 @@ def test_limits_are_accepted_at_the_boundary(worker, engine):
         assert status == 200 and data == expected_bytes(engine, request)
 
 
+def png_header_claiming(width: int, height: int) -> bytes:
+    """A valid 8 x 8 PNG whose IHDR claims another size (CRC fixed up)."""
+    data = bytearray(png_bytes(8, 8))
+    data[16:24] = width.to_bytes(4, "big") + height.to_bytes(4, "big")
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")
+    return bytes(data)
+
+
+def test_library_warnings_keep_the_log_one_json_object_per_line(worker):
+    """Pillow warns on a palette image with an alpha per entry, and on a header past its own
+    (much higher) pixel guard; neither may put raw text between the log's JSON lines."""
+    from PIL import Image
+
+    palette = Image.new("P", (6, 4))
+    palette.putpalette([v for i in range(4) for v in (60 * i, 255 - 60 * i, 30 * i)])
+    palette.putdata([(x + y) % 4 for y in range(4) for x in range(6)])
+    buffer = io.BytesIO()
+    palette.save(buffer, "PNG", transparency=bytes([0, 128, 255, 64]))
+    question = {"q": {"type": "choice", "instructions": "Colour?", "criteria": {"w": "White", "b": "Black"}}}
+    status, _, _ = post(worker.port, {"model": MODEL, "state": {"image": data_url(buffer.getvalue())}, "questions": question},
+                        {"X-Request-Id": "palette"})
+    assert status == 200
+    status, answer, _ = post(worker.port, {"model": MODEL, "state": {"image": data_url(png_header_claiming(10_000, 10_000))}, "questions": question},
+                             {"X-Request-Id": "bomb-warning"})
+    assert status == 422 and answer["detail"] == "state.image: image is 10000x10000; each side must be at most 2048"
+    worker.wait_for(lambda ln: ln.get("id") == "bomb-warning")
+    with worker._changed:
+        raw = list(worker.raw_lines)
+    for line in raw:
+        assert isinstance(json.loads(line), dict), line
+
+
 # ---------------------------------------------------------------- hostile framing: 408, mismatched lengths
 
 
