@@ -43,6 +43,7 @@ from typing import Callable
 
 import click
 
+from . import cancel
 from .errors import RequestError, ValenError
 from .wire import MAX_BODY, MODEL_NAME, decode_request, encode_response, http_status, response_body
 
@@ -133,10 +134,18 @@ class Job:
     """One request for the executor; `future` gets the RunResult or the exception."""
 
     request: dict
+    id: str = ""  # the request id, for the executor's own log lines
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     batch: int = 0  # how many requests ran together with this one, itself included
+    abandoned_at: float | None = None  # set by `abandon`: its client has been answered without it
+
+    def abandon(self) -> None:
+        """Nobody waits for this job any more: if it has not started it never will, and once every job
+        of its batch is abandoned the engine stops at its next layer (cancel.py)."""
+        self.abandoned_at = time.perf_counter()
+        self.future.cancel()
 
 
 def warmup_batches(requests: list[dict], max_batch: int) -> list[list[dict]]:
@@ -155,8 +164,9 @@ class Executor:
     sweep where the engine batches; a request that fails fails alone). On CUDA the next batch's
     host work overlaps the device work of the one before it.
 
-    A job whose future was cancelled before it started (its client's timeout passed) is skipped.
-    Jobs are admitted by the HTTP side, which bounds how many wait.
+    A job abandoned before it started (its client's timeout passed) is skipped; a batch whose jobs
+    are all abandoned while it runs stops at the engine's next layer (cancel.py) and is logged as
+    "cancelled". Jobs are admitted by the HTTP side, which bounds how many wait.
     """
 
     def __init__(self, load: Callable[[], object], warmup: list[dict], max_batch: int = Settings.max_batch,
@@ -187,8 +197,8 @@ class Executor:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, request: dict) -> Job:
-        job = Job(request)
+    def submit(self, request: dict, request_id: str = "") -> Job:
+        job = Job(request, request_id)
         self._jobs.put(job)
         return job
 
@@ -236,7 +246,7 @@ class Executor:
             prepared = self._prepare(engine, jobs) if jobs else None
             if in_flight is not None:
                 self._collect(engine, *in_flight)
-            in_flight = (jobs, engine.launch(prepared)) if prepared is not None else None
+            in_flight = (jobs, self._launch(engine, jobs, prepared)) if prepared is not None else None
             if in_flight is not None and not pipelined:
                 self._collect(engine, *in_flight)
                 in_flight = None
@@ -269,27 +279,43 @@ class Executor:
             job.started_at, job.batch = started, len(jobs)
         self.batches_run += len(jobs) > 1
         try:
-            return engine.prepare_many([job.request for job in jobs])
+            with cancel.scope(self._abandoned(jobs)):
+                return engine.prepare_many([job.request for job in jobs])
         except BaseException as exc:  # not a request's own failure (prepare_many keeps those): all fail
-            self._fail(jobs, exc)
+            self._settle(jobs, [exc] * len(jobs))
             return None
+
+    def _launch(self, engine, jobs: list[Job], prepared):
+        with cancel.scope(self._abandoned(jobs)):
+            return engine.launch(prepared)  # keeps what it raises for collect
 
     def _collect(self, engine, jobs: list[Job], batch) -> None:
         try:
-            results = engine.collect(batch)
+            with cancel.scope(self._abandoned(jobs)):
+                results = engine.collect(batch)
         except BaseException as exc:
-            self._fail(jobs, exc)
-            return
+            results = [exc] * len(jobs)
+        self._settle(jobs, results)
+
+    @staticmethod
+    def _abandoned(jobs: list[Job]) -> Callable[[], bool]:
+        """The batch's stop test: true once no job in it has a client waiting."""
+        return lambda: all(job.abandoned_at is not None for job in jobs)
+
+    @staticmethod
+    def _settle(jobs: list[Job], results: list) -> None:
+        """Hand each job its result or exception; log the jobs whose work was given up midway."""
+        stopped = [job for job, result in zip(jobs, results) if isinstance(result, cancel.Cancelled)]
+        if stopped:
+            now = time.perf_counter()
+            log.info({"event": "cancelled", "ids": [job.id for job in stopped],
+                      "ran_ms": round((now - stopped[0].started_at) * 1e3, 3),
+                      "ms_after_abandoned": round(min(now - job.abandoned_at for job in stopped) * 1e3, 3)})
         for job, result in zip(jobs, results):
             if isinstance(result, BaseException):
                 job.future.set_exception(result)
             else:
                 job.future.set_result(result)
-
-    @staticmethod
-    def _fail(jobs: list[Job], exc: BaseException) -> None:
-        for job in jobs:
-            job.future.set_exception(exc)
 
 
 # ---------------------------------------------------------------- the HTTP application
@@ -403,12 +429,14 @@ class WorkerApp:
         except RequestError as exc:
             raise _Answer(http_status(exc), str(exc)) from None
         del body
-        job = self.executor.submit(request)
+        job = self.executor.submit(request, record["id"])
         remaining = self.settings.request_timeout - (time.perf_counter() - started)
         try:
-            # On timeout wait_for cancels the wrapper, which cancels the job unless it has started.
             result = await asyncio.wait_for(asyncio.wrap_future(job.future), timeout=max(remaining, 0.0))
         except asyncio.TimeoutError:
+            job.abandon()
+            if job.started_at is not None:  # the executor is still busy with it until its next layer
+                record["executor"] = "still busy with it: the work stops at its next layer once no request of its batch is waited for"
             raise _Answer(503, f"not answered within {self.settings.request_timeout:g} s (--request-timeout); the worker is overloaded") from None
         except RequestError as exc:
             record["batch"] = job.batch  # it failed alone; its batch-mates went on
