@@ -5,7 +5,7 @@ The contract is docs/wire-contract.md; the checks are wire.py's, shared with val
 Lifecycle: the port is bound first (a taken port fails at once, before minutes of loading), then
 the executor thread loads the export with a full hash check and warms up on real requests (on
 CUDA, one per shape family the compiled functions and graphs specialise on); only then does the
-socket listen, so /health answers "ready" from its first connection. SIGTERM or SIGINT: stop
+socket listen, so /health answers "ready" from its first connection. SIGTERM, SIGINT or SIGHUP: stop
 accepting, answer every admitted request, exit 0.
 
 Threads: uvicorn's event loop reads and checks each request's headers and body; two parse
@@ -53,6 +53,9 @@ HEALTH = {"status": "ready", "model": MODEL_NAME, "modality": "multimodal"}
 ROUTES = {("GET", "/health"), ("POST", "/v1/systemone")}
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _ASCII_DIGITS = re.compile(r"[0-9]{1,20}")
+# Each drains: stop accepting, answer what was admitted, exit 0. SIGHUP's default would kill the
+# process mid-request (exit 129), and a worker has no configuration to reload.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -595,12 +598,12 @@ def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, but a SIGTERM / SIGINT that stopped it gracefully ends the process with
-        exit 0 instead of being raised again once the server is down."""
+        """uvicorn's server, but a SIGTERM / SIGINT / SIGHUP that stopped it gracefully ends the process
+        with exit 0 instead of being raised again once the server is down."""
 
         @contextlib.contextmanager
         def capture_signals(self):
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
             try:
                 yield
             finally:
@@ -648,7 +651,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 @contextlib.contextmanager
 def _stop_on_signal_before_ready():
-    """SIGTERM / SIGINT while starting (imports, loading, warmup): stop at once, exit 0 (nothing is in flight)."""
+    """SIGTERM / SIGINT / SIGHUP while starting (imports, loading, warmup): stop at once, exit 0 (nothing is in flight)."""
 
     def stop(signum, frame):
         log.info({"event": "stopped", "reason": f"signal {signum} before ready"})
@@ -656,7 +659,7 @@ def _stop_on_signal_before_ready():
         # At once: the executor thread may be inside torch, which interpreter shutdown must not race.
         os._exit(0)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

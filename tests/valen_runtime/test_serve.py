@@ -479,7 +479,10 @@ def test_requests_leave_no_temporary_files(worker):
 # ---------------------------------------------------------------- lifecycle: SIGTERM, startup refusals, 500, request timeout
 
 
-def test_sigterm_mid_request_answers_then_exits_0(tiny_export, tmp_path, engine):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_mid_request_answers_then_exits_0(tiny_export, tmp_path, engine, signum):
+    """SIGHUP drains like SIGTERM: its default used to kill the worker mid-request (exit 129, an
+    empty reply, no "stopped" line)."""
     server = Worker(tiny_export["separate"], tmp_path, "--read-timeout", "30")
     try:
         waiting = text_request("Waiting in its body.")
@@ -493,14 +496,14 @@ def test_sigterm_mid_request_answers_then_exits_0(tiny_export, tmp_path, engine)
             assert http_call(server.port, "GET", "/health")[0] == 200
             time.sleep(0.5)
             signalled_at = time.time()
-            server.proc.send_signal(signal.SIGTERM)
+            server.proc.send_signal(signum)
             deadline = time.monotonic() + 10
             while True:  # the listening socket closes: new connections are refused
                 try:
                     socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
                 except ConnectionRefusedError:
                     break
-                assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
+                assert time.monotonic() < deadline, f"still accepting connections after {signum!r}"
                 time.sleep(0.05)
             sock.sendall(body[10:])
             status, answer = read_response(sock, 60)
@@ -540,12 +543,13 @@ def test_startup_refuses_a_damaged_export_and_a_taken_port(tiny_export, tmp_path
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == "error: --queue-size must be an integer >= 0, got -1", result.stderr
 
 
-def test_sigterm_while_loading_exits_0_without_listening(tiny_export, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_while_loading_exits_0_without_listening(tiny_export, tmp_path, signum):
     cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = proc.stderr.readline()  # the "loading" line comes before the export is read
     assert json.loads(first)["event"] == "loading", first
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     rest = proc.stderr.read()
     assert proc.wait(timeout=60) == 0, rest
     assert '"event": "stopped"' in rest and '"event": "ready"' not in rest and "Traceback" not in rest, rest
