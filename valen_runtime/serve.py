@@ -11,10 +11,13 @@ accepting, answer every admitted request, exit 0.
 Threads: uvicorn's event loop reads and checks each request's headers and body; two parse
 threads turn bodies into canonical requests; one executor thread owns the Engine and runs
 requests in arrival order, up to `max_batch` of those already waiting at once (in one sweep of the
-layers where the engine batches: `Engine.run_many`; it never waits for more to arrive). At most
-`queue_size + 1` requests are admitted at once (their bodies being read, waiting, or running); one
-more is answered 503 before its body is read, which bounds memory to about (queue_size + 1)
-bodies of 8 MiB.
+layers where the engine batches: `Engine.run_many`; it never waits for more to arrive).
+
+Two separate bounds: at most `max_body_reads` requests (`max_body_reads_per_client` from one client
+address) may be sending their bodies at once, and at most `queue_size + 1` requests, bodies read,
+are admitted (being parsed, waiting or running). A client that sends headers and then idles holds
+only a body-read slot, never inference capacity. Past either bound the answer is 503 (before the
+body is read when that is already known); memory stays bounded by both counts times 8 MiB.
 """
 
 from __future__ import annotations
@@ -65,9 +68,11 @@ class Settings:
     read_timeout: float = 15.0  # seconds for a request's headers, and again for its body (as upstream)
     max_batch: int = 1  # waiting requests the executor runs together (1: one at a time; docs/benchmarks.md has the trade-off)
     batch_wait: float = 0.0  # seconds an idle executor waits for more requests to join a batch
+    max_body_reads: int = 128  # requests sending their bodies at once, from all clients
+    max_body_reads_per_client: int = 64  # ... from one client address
 
     def __post_init__(self):
-        for name, least in (("queue_size", 0), ("max_batch", 1)):
+        for name, least in (("queue_size", 0), ("max_batch", 1), ("max_body_reads", 1), ("max_body_reads_per_client", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
@@ -347,6 +352,32 @@ def _media_type(value: str | None) -> str:
     return (value or "").split(";", 1)[0].strip().lower()
 
 
+class _BodyReads:
+    """Slots for requests whose bodies are being read, in total and per client address (event loop only)."""
+
+    def __init__(self, total: int, per_client: int):
+        self.total, self.per_client = total, per_client
+        self.by_client: dict[str, int] = {}
+
+    def refusal(self, client: str) -> str | None:
+        """Why a body from `client` cannot be read now, or None when it can."""
+        if sum(self.by_client.values()) >= self.total:
+            return f"too many request bodies being read: {self.total} (--max-body-reads)"
+        if self.by_client.get(client, 0) >= self.per_client:
+            return f"too many request bodies being read from {client}: {self.per_client} (--max-body-reads-per-client)"
+        return None
+
+    @contextlib.contextmanager
+    def slot(self, client: str):
+        self.by_client[client] = self.by_client.get(client, 0) + 1
+        try:
+            yield
+        finally:
+            self.by_client[client] -= 1
+            if not self.by_client[client]:
+                del self.by_client[client]
+
+
 class WorkerApp:
     """The ASGI application: routing, admission, bounded body reading, status codes, one log line."""
 
@@ -354,7 +385,8 @@ class WorkerApp:
         self.executor = executor
         self.settings = settings
         self.capacity = settings.queue_size + 1
-        self.admitted = 0  # touched only on the event loop
+        self.admitted = 0  # requests with their body read, parsing, waiting or running (event loop only)
+        self.body_reads = _BodyReads(settings.max_body_reads, settings.max_body_reads_per_client)
         self.draining = draining
         self._parse_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="valen-parse")
 
@@ -374,7 +406,8 @@ class WorkerApp:
             if scope["path"] == "/health":
                 status, body = self._health()
             else:
-                status, body = 200, await self._systemone(headers, receive, record, started)
+                client = (scope.get("client") or ("",))[0]
+                status, body = 200, await self._systemone(headers, receive, record, started, client)
         except _Answer as answer:
             status, body = answer.status, {"detail": answer.detail}
         except _ClientGone:
@@ -397,7 +430,7 @@ class WorkerApp:
             return 503, {"detail": "the executor thread has stopped"}
         return 200, dict(HEALTH)
 
-    async def _systemone(self, headers, receive, record: dict, started: float) -> dict:
+    async def _systemone(self, headers, receive, record: dict, started: float, client: str) -> dict:
         # Header checks in the upstream worker's order, all before a byte of the body is read.
         if "transfer-encoding" in headers:
             raise _Answer(411, "Content-Length is required; chunked request bodies are not accepted")
@@ -416,22 +449,29 @@ class WorkerApp:
             raise _Answer(415, "Content-Type must be application/json")
         if self.draining():
             raise _Answer(503, "shutting down")
-        if self.admitted >= self.capacity:
-            raise _Answer(503, f"worker busy: {self.capacity} requests admitted (--queue-size {self.settings.queue_size} + 1)")
+        self._check_capacity()  # full already: answered without reading the body
+        refusal = self.body_reads.refusal(client)
+        if refusal is not None:
+            raise _Answer(503, refusal)
+        with self.body_reads.slot(client):  # a slow or idle body holds this slot only, not capacity
+            body = await self._read_body(receive, length)
+        self._check_capacity()
         self.admitted += 1
         try:
-            return await self._admitted(receive, length, record, started)
+            try:
+                request = await asyncio.get_running_loop().run_in_executor(self._parse_pool, decode_request, body)
+            except RequestError as exc:
+                raise _Answer(http_status(exc), str(exc)) from None
+            del body  # the parsed request is what waits
+            return await self._run(request, record, started)
         finally:
             self.admitted -= 1
 
-    async def _admitted(self, receive, length: int, record: dict, started: float) -> dict:
-        body = await self._read_body(receive, length)
-        loop = asyncio.get_running_loop()
-        try:
-            request = await loop.run_in_executor(self._parse_pool, decode_request, body)
-        except RequestError as exc:
-            raise _Answer(http_status(exc), str(exc)) from None
-        del body
+    def _check_capacity(self) -> None:
+        if self.admitted >= self.capacity:
+            raise _Answer(503, f"worker busy: {self.capacity} requests admitted (--queue-size {self.settings.queue_size} + 1)")
+
+    async def _run(self, request: dict, record: dict, started: float) -> dict:
         job = self.executor.submit(request, record["id"])
         remaining = self.settings.request_timeout - (time.perf_counter() - started)
         try:
@@ -668,7 +708,8 @@ def _stop_on_signal_before_ready():
 
 
 def _start(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration, queue_size, max_batch, batch_wait_ms,
-           request_timeout, read_timeout, threads, warmup, compile_, graphs) -> tuple[Executor, Settings, str, socket.socket]:
+           request_timeout, read_timeout, max_body_reads, max_body_reads_per_client, threads, warmup, compile_,
+           graphs) -> tuple[Executor, Settings, str, socket.socket]:
     """Check the options, bind the port, load and warm up: (executor, settings, device, socket)."""
     import torch
 
@@ -677,7 +718,7 @@ def _start(export_dir, host, port, device, dtype, mode, kernels, temperature, ca
     from .options import EngineOptions
 
     settings = Settings(queue_size=queue_size, request_timeout=request_timeout, read_timeout=read_timeout, max_batch=max_batch,
-                        batch_wait=batch_wait_ms / 1e3)
+                        batch_wait=batch_wait_ms / 1e3, max_body_reads=max_body_reads, max_body_reads_per_client=max_body_reads_per_client)
     if temperature is not None and calibration is not None:
         raise ValenError("--temperature and --calibration are mutually exclusive")
     temp = load_temperature(calibration) if calibration is not None else (1.0 if temperature is None else temperature)
@@ -712,12 +753,14 @@ def _start(export_dir, host, port, device, dtype, mode, kernels, temperature, ca
 @click.option("--batch-wait-ms", default=0.0, show_default=True, type=float, help="How long an idle executor woken by one request waits for more to join its batch (0: never waits).")
 @click.option("--request-timeout", default=Settings.request_timeout, show_default=True, type=float, help="Seconds from admission to answer; past it 503.")
 @click.option("--read-timeout", default=Settings.read_timeout, show_default=True, type=float, help="Seconds for a request's headers, and for its body; past it 408.")
+@click.option("--max-body-reads", default=Settings.max_body_reads, show_default=True, type=int, help="Requests that may be sending their bodies at once; one more is answered 503 (an idle body never takes --queue-size capacity).")
+@click.option("--max-body-reads-per-client", default=Settings.max_body_reads_per_client, show_default=True, type=int, help="The same, from one client address.")
 @click.option("--threads", type=click.IntRange(1, None), default=None, help="torch CPU threads (default: torch's, one per core); 1 keeps a busy shared machine from stalling the model's parallel loops.")
 @click.option("--warmup", type=click.Choice(["auto", "basic", "full"]), default="auto", show_default=True, help="basic: one text and one image request; full: every shape family the CUDA fast path compiles (auto: full on CUDA).")
 @click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile the CUDA fast path (default: on for CUDA).")
 @click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=None, help="Capture CUDA graphs (default: on for CUDA).")
 def main(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration, queue_size, max_batch, batch_wait_ms, request_timeout,
-         read_timeout, threads, warmup, compile_, graphs) -> None:
+         read_timeout, max_body_reads, max_body_reads_per_client, threads, warmup, compile_, graphs) -> None:
     """Serve an export as a System1-Omni worker: POST /v1/systemone, GET /health.
 
     \b
@@ -729,8 +772,8 @@ def main(export_dir, host, port, device, dtype, mode, kernels, temperature, cali
     try:
         with _stop_on_signal_before_ready():
             executor, settings, dev, sock = _start(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration,
-                                                   queue_size, max_batch, batch_wait_ms, request_timeout, read_timeout, threads, warmup,
-                                                   compile_, graphs)
+                                                   queue_size, max_batch, batch_wait_ms, request_timeout, read_timeout, max_body_reads,
+                                                   max_body_reads_per_client, threads, warmup, compile_, graphs)
     except (ValenError, ValueError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -751,7 +794,8 @@ def main(export_dir, host, port, device, dtype, mode, kernels, temperature, cali
     log.info({"event": "ready", "url": f"http://{url_host}:{bound_port}", "port": bound_port, "device": dev,
               "device_name": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else (platform.processor() or platform.machine()),
               "dtype": dtype, "torch_threads": torch.get_num_threads(), **executor.engine_info, **{k: round(v, 3) for k, v in executor.timings.items()},
-              "queue_size": settings.queue_size, "batch_wait_ms": settings.batch_wait * 1e3, "request_timeout_s": settings.request_timeout, "read_timeout_s": settings.read_timeout,
+              "queue_size": settings.queue_size, "max_body_reads": settings.max_body_reads,
+              "max_body_reads_per_client": settings.max_body_reads_per_client, "batch_wait_ms": settings.batch_wait * 1e3, "request_timeout_s": settings.request_timeout, "read_timeout_s": settings.read_timeout,
               "versions": {"python": platform.python_version(), "torch": torch.__version__, "uvicorn": uvicorn.__version__}})
     server.run(sockets=[sock])
     executor.stop()

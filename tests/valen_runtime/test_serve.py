@@ -31,6 +31,7 @@ MODEL = "valen-preview-0923"
 HEALTH = {"status": "ready", "model": MODEL, "modality": "multimodal"}
 READ_TIMEOUT = 3.0  # the module server's --read-timeout: short, yet long enough to hold requests open on 2 busy cores
 QUEUE_SIZE = 8
+BODY_READS, BODY_READS_PER_CLIENT = 12, 10  # the module server's --max-body-reads and --max-body-reads-per-client
 
 
 # ---------------------------------------------------------------- a server process
@@ -88,9 +89,10 @@ class Worker:
         return self.proc.wait(timeout=timeout)
 
 
-def http_call(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None, timeout: float = 120.0):
-    """One request on its own connection: (status, headers, JSON body)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+def http_call(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None, timeout: float = 120.0,
+              source: str | None = None):
+    """One request on its own connection (from the loopback address `source`): (status, headers, JSON body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0) if source else None)
     conn.putrequest(method, path, skip_accept_encoding=True)
     sent = {"Content-Type": "application/json", "Content-Length": str(len(body))} if method == "POST" else {}
     sent.update(headers or {})
@@ -104,9 +106,9 @@ def http_call(port: int, method: str, path: str, body: bytes = b"", headers: dic
     return response.status, dict(response.getheaders()), data
 
 
-def post(port: int, payload, headers: dict | None = None):
+def post(port: int, payload, headers: dict | None = None, source: str | None = None):
     body = payload if isinstance(payload, bytes) else json.dumps(payload, ensure_ascii=False).encode()
-    status, response_headers, data = http_call(port, "POST", "/v1/systemone", body, headers)
+    status, response_headers, data = http_call(port, "POST", "/v1/systemone", body, headers, source=source)
     return status, json.loads(data), response_headers
 
 
@@ -154,9 +156,10 @@ def raw_exchange(port: int, data: bytes, timeout: float = 30.0) -> tuple[int, di
         return answer
 
 
-def open_partial(port: int, body: bytes, sent: int) -> socket.socket:
-    """A request whose headers and first `sent` body bytes are on the wire; the rest is held back."""
-    sock = socket.create_connection(("127.0.0.1", port))
+def open_partial(port: int, body: bytes, sent: int, source: str = "127.0.0.1") -> socket.socket:
+    """A request (from the loopback address `source`) whose headers and first `sent` body bytes are
+    on the wire; the rest is held back."""
+    sock = socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
     sock.sendall(head_bytes(len(body)) + body[:sent])
     return sock
 
@@ -198,7 +201,8 @@ def data_url(data: bytes) -> str:
 @pytest.fixture(scope="module")
 def worker(tiny_export, tmp_path_factory):
     server = Worker(tiny_export["separate"], tmp_path_factory.mktemp("serve"), "--queue-size", str(QUEUE_SIZE),
-                    "--read-timeout", str(READ_TIMEOUT), "--request-timeout", "120")
+                    "--read-timeout", str(READ_TIMEOUT), "--request-timeout", "120",
+                    "--max-body-reads", str(BODY_READS), "--max-body-reads-per-client", str(BODY_READS_PER_CLIENT))
     yield server
     assert server.stop() == 0
 
@@ -444,19 +448,77 @@ def test_mismatched_content_length(worker):
 
 
 def test_full_queue_is_503_while_health_stays_ready(worker, engine):
+    """queue_size + 1 requests admitted (one running, the others read and waiting): one more gets
+    503 before its body is read, /health stays ready, and the admitted ones are all answered."""
+    three = {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true?"} for i in range(3)}
+    waiting = [text_request(f"Customer {i} was charged twice.") for i in range(QUEUE_SIZE)]
+    with concurrent.futures.ThreadPoolExecutor(QUEUE_SIZE + 1) as pool:
+        running = pool.submit(post, worker.port, text_request(HEAVY_STATE, three))  # seconds on the CPU
+        time.sleep(0.5)  # running by now, so the next ones wait behind it
+        answers = [pool.submit(http_call, worker.port, "POST", "/v1/systemone", json.dumps(r).encode()) for r in waiting]
+        time.sleep(0.5)  # their bodies read and parsed: admitted
+        status, answer, _ = post(worker.port, text_request())
+        assert status == 503 and answer["detail"].startswith(f"worker busy: {QUEUE_SIZE + 1} requests admitted"), answer
+        assert http_call(worker.port, "GET", "/health")[:1] == (200,)
+        assert running.result()[0] == 200
+        for request, answered in zip(waiting, answers):
+            status, _, data = answered.result()
+            assert status == 200 and data == expected_bytes(engine, request)
+
+
+def test_idle_bodies_hold_no_inference_capacity(worker, engine):
+    """As many requests as the worker admits send their headers and half their bodies, then idle:
+    they hold body-read slots only, so a complete request is still answered at once (it used to get
+    503 worker busy until their read timeout), and they are answered once their bodies come."""
     requests = [text_request(f"Customer {i} was charged twice.") for i in range(QUEUE_SIZE + 1)]
     bodies = [json.dumps(r).encode() for r in requests]
-    held = [open_partial(worker.port, body, len(body) // 2) for body in bodies]  # admitted, bodies half read
+    held = [open_partial(worker.port, body, len(body) // 2) for body in bodies]
     try:
-        # The event loop admits each as soon as its headers are parsed: let it see them first.
         assert http_call(worker.port, "GET", "/health")[0] == 200
-        time.sleep(0.3)
+        time.sleep(0.3)  # the event loop has read each one's headers
         status, answer, _ = post(worker.port, text_request())
-        assert status == 503 and answer["detail"].startswith(f"worker busy: {QUEUE_SIZE + 1} requests admitted")
-        assert http_call(worker.port, "GET", "/health")[:1] == (200,)
+        assert status == 200, answer
         for sock, body in zip(held, bodies):
             sock.sendall(body[len(body) // 2:])
         for sock, request in zip(held, requests):
+            status, answer = read_response(sock, 120)
+            assert status == 200 and encode_response(answer) == expected_bytes(engine, request)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_body_read_caps_are_503_per_client_and_in_total_while_health_stays_ready(worker, engine):
+    """--max-body-reads-per-client idle bodies from one address: that address's next request is 503,
+    another address's body is read; --max-body-reads in all: every address's next request is 503.
+    /health answers ready throughout, and the held requests are answered once their bodies come."""
+    requests = [text_request(f"Order {i} arrived late.") for i in range(BODY_READS)]
+    bodies = [json.dumps(r).encode() for r in requests]
+    sources = ["127.0.0.1"] * BODY_READS_PER_CLIENT + ["127.0.0.2"] * (BODY_READS - BODY_READS_PER_CLIENT)
+    held = []
+    try:
+        held += [open_partial(worker.port, body, 10, source) for body, source in zip(bodies, sources[:BODY_READS_PER_CLIENT])]
+        assert http_call(worker.port, "GET", "/health")[0] == 200
+        time.sleep(0.3)  # the event loop has read each one's headers
+        status, answer, _ = post(worker.port, text_request())
+        assert (status, answer["detail"]) == (503, f"too many request bodies being read from 127.0.0.1: {BODY_READS_PER_CLIENT} (--max-body-reads-per-client)")
+        # Another address's body is still read (a broken one: answered at once, within the held ones' read timeout).
+        assert post(worker.port, b"{broken", source="127.0.0.2")[0] == 400
+        held += [open_partial(worker.port, body, 10, source)
+                 for body, source in zip(bodies[BODY_READS_PER_CLIENT:], sources[BODY_READS_PER_CLIENT:])]
+        assert http_call(worker.port, "GET", "/health")[0] == 200
+        time.sleep(0.3)
+        status, answer, _ = post(worker.port, text_request(), source="127.0.0.3")
+        assert (status, answer["detail"]) == (503, f"too many request bodies being read: {BODY_READS} (--max-body-reads)")
+        status, _, data = http_call(worker.port, "GET", "/health")
+        assert status == 200 and json.loads(data) == HEALTH
+        # More bodies are being read than the worker admits: the extra ones' clients give up, the
+        # others finish sending and are answered.
+        for sock in held[QUEUE_SIZE + 1:]:
+            sock.close()
+        for sock, body in zip(held[:QUEUE_SIZE + 1], bodies):
+            sock.sendall(body[10:])
+        for sock, request in zip(held[:QUEUE_SIZE + 1], requests):
             status, answer = read_response(sock, 120)
             assert status == 200 and encode_response(answer) == expected_bytes(engine, request)
     finally:
@@ -646,6 +708,7 @@ def test_waiting_requests_run_in_one_sweep_and_a_bad_one_fails_alone(batching_wo
 @pytest.mark.parametrize("option, value, message", [
     ("--max-batch", "0", "error: --max-batch must be an integer >= 1, got 0"),
     ("--batch-wait-ms", "1500", "error: --batch-wait-ms must be between 0 and 1000, got 1500"),
+    ("--max-body-reads-per-client", "0", "error: --max-body-reads-per-client must be an integer >= 1, got 0"),
 ])
 def test_batching_options_are_checked_in_one_line(tiny_export, option, value, message):
     cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), option, value, "--device", "cpu"]
