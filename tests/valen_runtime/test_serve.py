@@ -450,13 +450,13 @@ def test_mismatched_content_length(worker):
 def test_full_queue_is_503_while_health_stays_ready(worker, engine):
     """queue_size + 1 requests admitted (one running, the others read and waiting): one more gets
     503 before its body is read, /health stays ready, and the admitted ones are all answered."""
-    three = {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true?"} for i in range(3)}
+    two = {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true?"} for i in range(2)}
     waiting = [text_request(f"Customer {i} was charged twice.") for i in range(QUEUE_SIZE)]
     with concurrent.futures.ThreadPoolExecutor(QUEUE_SIZE + 1) as pool:
-        running = pool.submit(post, worker.port, text_request(HEAVY_STATE, three))  # seconds on the CPU
+        running = pool.submit(post, worker.port, text_request(HEAVY_STATE, two))  # two branches of 4,100 tokens: seconds on 2 cores
         time.sleep(0.5)  # running by now, so the next ones wait behind it
         answers = [pool.submit(http_call, worker.port, "POST", "/v1/systemone", json.dumps(r).encode()) for r in waiting]
-        time.sleep(0.5)  # their bodies read and parsed: admitted
+        time.sleep(0.3)  # their bodies read and parsed: admitted
         status, answer, _ = post(worker.port, text_request())
         assert status == 503 and answer["detail"].startswith(f"worker busy: {QUEUE_SIZE + 1} requests admitted"), answer
         assert http_call(worker.port, "GET", "/health")[:1] == (200,)
