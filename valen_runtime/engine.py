@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .answers import answer_from_probabilities, batch_probabilities, response
+from .cancel import Cancelled
 from .options import EngineOptions
 from .plan import Plan, plan_one_pass, plan_shared_prefix
 from .positions import rope_index
@@ -185,7 +186,7 @@ class Engine:
         """Wait for a launched batch and finish each request: per request its RunResult or exception."""
         t0 = time.perf_counter()
         if batch.error is not None:
-            if len(batch.ready) < 2:
+            if len(batch.ready) < 2 or isinstance(batch.error, Cancelled):  # given up: nothing reruns
                 return [p if isinstance(p, Exception) else batch.error for p in batch.prepared]
             # A failure of the combined sweep must not fail every request: each runs alone, and
             # one that fails again carries its own exception.

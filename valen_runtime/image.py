@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field, replace
@@ -199,7 +200,10 @@ def open_image(data: bytes, mime_format: str | None, field_name: str, limits: Im
         # Image.open reads only the header; formats= stops PIL from guessing other decoders.
         image = Image.open(io.BytesIO(data), formats=allowed)
     except Image.DecompressionBombError as exc:
-        raise RequestError(field_name, f"image too large ({exc})") from exc
+        # Pillow's own guard, far above ours: refused in the contract's words, not Pillow's.
+        claimed = re.search(r"\((\d+) pixels\)", str(exc))
+        pixels = claimed.group(1) if claimed else f"more than {limits.max_pixels}"
+        raise RequestError(field_name, f"image has {pixels} pixels; the limit is {limits.max_pixels}") from exc
     except Exception as exc:  # PIL raises many types for garbage input
         expected = " or ".join(f.lower() for f in allowed)
         raise RequestError(field_name, f"not a decodable {expected} image") from exc
@@ -227,6 +231,10 @@ def load_image(image: Image.Image, field_name: str) -> Image.Image:
         image.load()
         ImageOps.exif_transpose(image, in_place=True)  # no full copy when there is nothing to turn
         if image.mode != "RGB":
+            if isinstance(image.info.get("transparency"), bytes):
+                # A palette's per-entry alpha: convert("RGB") drops it anyway, but with a UserWarning
+                # on stderr; dropping it first gives the same pixels without one.
+                del image.info["transparency"]
             image = image.convert("RGB")
     except Exception as exc:
         raise RequestError(field_name, f"image data is corrupt or truncated ({type(exc).__name__})") from exc

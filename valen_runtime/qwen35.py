@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from valen_runtime.cancel import checkpoint
 from valen_runtime.config import TextConfig
 from valen_runtime.errors import WeightsError
 from valen_runtime.gated_delta import chunk_gated_delta_rule
@@ -490,6 +491,7 @@ class TextModel(nn.Module):
         mask = causal_mask(T, past, inputs_embeds.dtype, inputs_embeds.device)  # [1, 1, T, S]
         h = inputs_embeds
         for layer in self.layers:
+            checkpoint()  # a served request given up stops here (cancel.py)
             h = layer(h, cos, sin, mask, cache)
         if cache is not None:
             cache.num_tokens = past + T

@@ -5,16 +5,19 @@ The contract is docs/wire-contract.md; the checks are wire.py's, shared with val
 Lifecycle: the port is bound first (a taken port fails at once, before minutes of loading), then
 the executor thread loads the export with a full hash check and warms up on real requests (on
 CUDA, one per shape family the compiled functions and graphs specialise on); only then does the
-socket listen, so /health answers "ready" from its first connection. SIGTERM or SIGINT: stop
+socket listen, so /health answers "ready" from its first connection. SIGTERM, SIGINT or SIGHUP: stop
 accepting, answer every admitted request, exit 0.
 
 Threads: uvicorn's event loop reads and checks each request's headers and body; two parse
 threads turn bodies into canonical requests; one executor thread owns the Engine and runs
 requests in arrival order, up to `max_batch` of those already waiting at once (in one sweep of the
-layers where the engine batches: `Engine.run_many`; it never waits for more to arrive). At most
-`queue_size + 1` requests are admitted at once (their bodies being read, waiting, or running); one
-more is answered 503 before its body is read, which bounds memory to about (queue_size + 1)
-bodies of 8 MiB.
+layers where the engine batches: `Engine.run_many`; it never waits for more to arrive).
+
+Two separate bounds: at most `max_body_reads` requests (`max_body_reads_per_client` from one client
+address) may be sending their bodies at once, and at most `queue_size + 1` requests, bodies read,
+are admitted (being parsed, waiting or running). A client that sends headers and then idles holds
+only a body-read slot, never inference capacity. Past either bound the answer is 503 (before the
+body is read when that is already known); memory stays bounded by both counts times 8 MiB.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Callable
 
 import click
 
+from . import cancel
 from .errors import RequestError, ValenError
 from .wire import MAX_BODY, MODEL_NAME, decode_request, encode_response, http_status, response_body
 
@@ -52,6 +56,9 @@ HEALTH = {"status": "ready", "model": MODEL_NAME, "modality": "multimodal"}
 ROUTES = {("GET", "/health"), ("POST", "/v1/systemone")}
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _ASCII_DIGITS = re.compile(r"[0-9]{1,20}")
+# Each drains: stop accepting, answer what was admitted, exit 0. SIGHUP's default would kill the
+# process mid-request (exit 129), and a worker has no configuration to reload.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -61,9 +68,11 @@ class Settings:
     read_timeout: float = 15.0  # seconds for a request's headers, and again for its body (as upstream)
     max_batch: int = 1  # waiting requests the executor runs together (1: one at a time; docs/benchmarks.md has the trade-off)
     batch_wait: float = 0.0  # seconds an idle executor waits for more requests to join a batch
+    max_body_reads: int = 128  # requests sending their bodies at once, from all clients
+    max_body_reads_per_client: int = 64  # ... from one client address
 
     def __post_init__(self):
-        for name, least in (("queue_size", 0), ("max_batch", 1)):
+        for name, least in (("queue_size", 0), ("max_batch", 1), ("max_body_reads", 1), ("max_body_reads_per_client", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
@@ -133,10 +142,18 @@ class Job:
     """One request for the executor; `future` gets the RunResult or the exception."""
 
     request: dict
+    id: str = ""  # the request id, for the executor's own log lines
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     queued_at: float = field(default_factory=time.perf_counter)
     started_at: float | None = None
     batch: int = 0  # how many requests ran together with this one, itself included
+    abandoned_at: float | None = None  # set by `abandon`: its client has been answered without it
+
+    def abandon(self) -> None:
+        """Nobody waits for this job any more: if it has not started it never will, and once every job
+        of its batch is abandoned the engine stops at its next layer (cancel.py)."""
+        self.abandoned_at = time.perf_counter()
+        self.future.cancel()
 
 
 def warmup_batches(requests: list[dict], max_batch: int) -> list[list[dict]]:
@@ -155,8 +172,9 @@ class Executor:
     sweep where the engine batches; a request that fails fails alone). On CUDA the next batch's
     host work overlaps the device work of the one before it.
 
-    A job whose future was cancelled before it started (its client's timeout passed) is skipped.
-    Jobs are admitted by the HTTP side, which bounds how many wait.
+    A job abandoned before it started (its client's timeout passed) is skipped; a batch whose jobs
+    are all abandoned while it runs stops at the engine's next layer (cancel.py) and is logged as
+    "cancelled". Jobs are admitted by the HTTP side, which bounds how many wait.
     """
 
     def __init__(self, load: Callable[[], object], warmup: list[dict], max_batch: int = Settings.max_batch,
@@ -187,8 +205,8 @@ class Executor:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, request: dict) -> Job:
-        job = Job(request)
+    def submit(self, request: dict, request_id: str = "") -> Job:
+        job = Job(request, request_id)
         self._jobs.put(job)
         return job
 
@@ -236,7 +254,7 @@ class Executor:
             prepared = self._prepare(engine, jobs) if jobs else None
             if in_flight is not None:
                 self._collect(engine, *in_flight)
-            in_flight = (jobs, engine.launch(prepared)) if prepared is not None else None
+            in_flight = (jobs, self._launch(engine, jobs, prepared)) if prepared is not None else None
             if in_flight is not None and not pipelined:
                 self._collect(engine, *in_flight)
                 in_flight = None
@@ -269,27 +287,43 @@ class Executor:
             job.started_at, job.batch = started, len(jobs)
         self.batches_run += len(jobs) > 1
         try:
-            return engine.prepare_many([job.request for job in jobs])
+            with cancel.scope(self._abandoned(jobs)):
+                return engine.prepare_many([job.request for job in jobs])
         except BaseException as exc:  # not a request's own failure (prepare_many keeps those): all fail
-            self._fail(jobs, exc)
+            self._settle(jobs, [exc] * len(jobs))
             return None
+
+    def _launch(self, engine, jobs: list[Job], prepared):
+        with cancel.scope(self._abandoned(jobs)):
+            return engine.launch(prepared)  # keeps what it raises for collect
 
     def _collect(self, engine, jobs: list[Job], batch) -> None:
         try:
-            results = engine.collect(batch)
+            with cancel.scope(self._abandoned(jobs)):
+                results = engine.collect(batch)
         except BaseException as exc:
-            self._fail(jobs, exc)
-            return
+            results = [exc] * len(jobs)
+        self._settle(jobs, results)
+
+    @staticmethod
+    def _abandoned(jobs: list[Job]) -> Callable[[], bool]:
+        """The batch's stop test: true once no job in it has a client waiting."""
+        return lambda: all(job.abandoned_at is not None for job in jobs)
+
+    @staticmethod
+    def _settle(jobs: list[Job], results: list) -> None:
+        """Hand each job its result or exception; log the jobs whose work was given up midway."""
+        stopped = [job for job, result in zip(jobs, results) if isinstance(result, cancel.Cancelled)]
+        if stopped:
+            now = time.perf_counter()
+            log.info({"event": "cancelled", "ids": [job.id for job in stopped],
+                      "ran_ms": round((now - stopped[0].started_at) * 1e3, 3),
+                      "ms_after_abandoned": round(min(now - job.abandoned_at for job in stopped) * 1e3, 3)})
         for job, result in zip(jobs, results):
             if isinstance(result, BaseException):
                 job.future.set_exception(result)
             else:
                 job.future.set_result(result)
-
-    @staticmethod
-    def _fail(jobs: list[Job], exc: BaseException) -> None:
-        for job in jobs:
-            job.future.set_exception(exc)
 
 
 # ---------------------------------------------------------------- the HTTP application
@@ -318,6 +352,32 @@ def _media_type(value: str | None) -> str:
     return (value or "").split(";", 1)[0].strip().lower()
 
 
+class _BodyReads:
+    """Slots for requests whose bodies are being read, in total and per client address (event loop only)."""
+
+    def __init__(self, total: int, per_client: int):
+        self.total, self.per_client = total, per_client
+        self.by_client: dict[str, int] = {}
+
+    def refusal(self, client: str) -> str | None:
+        """Why a body from `client` cannot be read now, or None when it can."""
+        if sum(self.by_client.values()) >= self.total:
+            return f"too many request bodies being read: {self.total} (--max-body-reads)"
+        if self.by_client.get(client, 0) >= self.per_client:
+            return f"too many request bodies being read from {client}: {self.per_client} (--max-body-reads-per-client)"
+        return None
+
+    @contextlib.contextmanager
+    def slot(self, client: str):
+        self.by_client[client] = self.by_client.get(client, 0) + 1
+        try:
+            yield
+        finally:
+            self.by_client[client] -= 1
+            if not self.by_client[client]:
+                del self.by_client[client]
+
+
 class WorkerApp:
     """The ASGI application: routing, admission, bounded body reading, status codes, one log line."""
 
@@ -325,7 +385,8 @@ class WorkerApp:
         self.executor = executor
         self.settings = settings
         self.capacity = settings.queue_size + 1
-        self.admitted = 0  # touched only on the event loop
+        self.admitted = 0  # requests with their body read, parsing, waiting or running (event loop only)
+        self.body_reads = _BodyReads(settings.max_body_reads, settings.max_body_reads_per_client)
         self.draining = draining
         self._parse_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="valen-parse")
 
@@ -345,7 +406,8 @@ class WorkerApp:
             if scope["path"] == "/health":
                 status, body = self._health()
             else:
-                status, body = 200, await self._systemone(headers, receive, record, started)
+                client = (scope.get("client") or ("",))[0]
+                status, body = 200, await self._systemone(headers, receive, record, started, client)
         except _Answer as answer:
             status, body = answer.status, {"detail": answer.detail}
         except _ClientGone:
@@ -368,7 +430,7 @@ class WorkerApp:
             return 503, {"detail": "the executor thread has stopped"}
         return 200, dict(HEALTH)
 
-    async def _systemone(self, headers, receive, record: dict, started: float) -> dict:
+    async def _systemone(self, headers, receive, record: dict, started: float, client: str) -> dict:
         # Header checks in the upstream worker's order, all before a byte of the body is read.
         if "transfer-encoding" in headers:
             raise _Answer(411, "Content-Length is required; chunked request bodies are not accepted")
@@ -380,32 +442,44 @@ class WorkerApp:
         length = int(lengths[0])
         if length > MAX_BODY:
             raise _Answer(413, f"body is {length} bytes; the limit is {MAX_BODY}")
+        content_types = headers.getlist("content-type")
+        if len(content_types) > 1:  # conflicting or not, the body's type would be a guess
+            raise _Answer(415, f"exactly one Content-Type header is allowed, got {len(content_types)}")
         if _media_type(headers.get("content-type")) != "application/json":
             raise _Answer(415, "Content-Type must be application/json")
         if self.draining():
             raise _Answer(503, "shutting down")
-        if self.admitted >= self.capacity:
-            raise _Answer(503, f"worker busy: {self.capacity} requests admitted (--queue-size {self.settings.queue_size} + 1)")
+        self._check_capacity()  # full already: answered without reading the body
+        refusal = self.body_reads.refusal(client)
+        if refusal is not None:
+            raise _Answer(503, refusal)
+        with self.body_reads.slot(client):  # a slow or idle body holds this slot only, not capacity
+            body = await self._read_body(receive, length)
+        self._check_capacity()
         self.admitted += 1
         try:
-            return await self._admitted(receive, length, record, started)
+            try:
+                request = await asyncio.get_running_loop().run_in_executor(self._parse_pool, decode_request, body)
+            except RequestError as exc:
+                raise _Answer(http_status(exc), str(exc)) from None
+            del body  # the parsed request is what waits
+            return await self._run(request, record, started)
         finally:
             self.admitted -= 1
 
-    async def _admitted(self, receive, length: int, record: dict, started: float) -> dict:
-        body = await self._read_body(receive, length)
-        loop = asyncio.get_running_loop()
-        try:
-            request = await loop.run_in_executor(self._parse_pool, decode_request, body)
-        except RequestError as exc:
-            raise _Answer(http_status(exc), str(exc)) from None
-        del body
-        job = self.executor.submit(request)
+    def _check_capacity(self) -> None:
+        if self.admitted >= self.capacity:
+            raise _Answer(503, f"worker busy: {self.capacity} requests admitted (--queue-size {self.settings.queue_size} + 1)")
+
+    async def _run(self, request: dict, record: dict, started: float) -> dict:
+        job = self.executor.submit(request, record["id"])
         remaining = self.settings.request_timeout - (time.perf_counter() - started)
         try:
-            # On timeout wait_for cancels the wrapper, which cancels the job unless it has started.
             result = await asyncio.wait_for(asyncio.wrap_future(job.future), timeout=max(remaining, 0.0))
         except asyncio.TimeoutError:
+            job.abandon()
+            if job.started_at is not None:  # the executor is still busy with it until its next layer
+                record["executor"] = "still busy with it: the work stops at its next layer once no request of its batch is waited for"
             raise _Answer(503, f"not answered within {self.settings.request_timeout:g} s (--request-timeout); the worker is overloaded") from None
         except RequestError as exc:
             record["batch"] = job.batch  # it failed alone; its batch-mates went on
@@ -564,12 +638,12 @@ def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, but a SIGTERM / SIGINT that stopped it gracefully ends the process with
-        exit 0 instead of being raised again once the server is down."""
+        """uvicorn's server, but a SIGTERM / SIGINT / SIGHUP that stopped it gracefully ends the process
+        with exit 0 instead of being raised again once the server is down."""
 
         @contextlib.contextmanager
         def capture_signals(self):
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
             try:
                 yield
             finally:
@@ -598,6 +672,7 @@ def _configure_logging() -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
     log.setLevel(logging.INFO)
+    logging.captureWarnings(True)  # a library's warning (Pillow on an odd image, ...) is a JSON line too, never raw text
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -616,7 +691,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 @contextlib.contextmanager
 def _stop_on_signal_before_ready():
-    """SIGTERM / SIGINT while starting (imports, loading, warmup): stop at once, exit 0 (nothing is in flight)."""
+    """SIGTERM / SIGINT / SIGHUP while starting (imports, loading, warmup): stop at once, exit 0 (nothing is in flight)."""
 
     def stop(signum, frame):
         log.info({"event": "stopped", "reason": f"signal {signum} before ready"})
@@ -624,7 +699,7 @@ def _stop_on_signal_before_ready():
         # At once: the executor thread may be inside torch, which interpreter shutdown must not race.
         os._exit(0)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -633,7 +708,8 @@ def _stop_on_signal_before_ready():
 
 
 def _start(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration, queue_size, max_batch, batch_wait_ms,
-           request_timeout, read_timeout, threads, warmup, compile_, graphs) -> tuple[Executor, Settings, str, socket.socket]:
+           request_timeout, read_timeout, max_body_reads, max_body_reads_per_client, threads, warmup, compile_,
+           graphs) -> tuple[Executor, Settings, str, socket.socket]:
     """Check the options, bind the port, load and warm up: (executor, settings, device, socket)."""
     import torch
 
@@ -642,7 +718,7 @@ def _start(export_dir, host, port, device, dtype, mode, kernels, temperature, ca
     from .options import EngineOptions
 
     settings = Settings(queue_size=queue_size, request_timeout=request_timeout, read_timeout=read_timeout, max_batch=max_batch,
-                        batch_wait=batch_wait_ms / 1e3)
+                        batch_wait=batch_wait_ms / 1e3, max_body_reads=max_body_reads, max_body_reads_per_client=max_body_reads_per_client)
     if temperature is not None and calibration is not None:
         raise ValenError("--temperature and --calibration are mutually exclusive")
     temp = load_temperature(calibration) if calibration is not None else (1.0 if temperature is None else temperature)
@@ -677,12 +753,14 @@ def _start(export_dir, host, port, device, dtype, mode, kernels, temperature, ca
 @click.option("--batch-wait-ms", default=0.0, show_default=True, type=float, help="How long an idle executor woken by one request waits for more to join its batch (0: never waits).")
 @click.option("--request-timeout", default=Settings.request_timeout, show_default=True, type=float, help="Seconds from admission to answer; past it 503.")
 @click.option("--read-timeout", default=Settings.read_timeout, show_default=True, type=float, help="Seconds for a request's headers, and for its body; past it 408.")
+@click.option("--max-body-reads", default=Settings.max_body_reads, show_default=True, type=int, help="Requests that may be sending their bodies at once; one more is answered 503 (an idle body never takes --queue-size capacity).")
+@click.option("--max-body-reads-per-client", default=Settings.max_body_reads_per_client, show_default=True, type=int, help="The same, from one client address.")
 @click.option("--threads", type=click.IntRange(1, None), default=None, help="torch CPU threads (default: torch's, one per core); 1 keeps a busy shared machine from stalling the model's parallel loops.")
 @click.option("--warmup", type=click.Choice(["auto", "basic", "full"]), default="auto", show_default=True, help="basic: one text and one image request; full: every shape family the CUDA fast path compiles (auto: full on CUDA).")
 @click.option("--compile/--no-compile", "compile_", default=None, help="torch.compile the CUDA fast path (default: on for CUDA).")
 @click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=None, help="Capture CUDA graphs (default: on for CUDA).")
 def main(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration, queue_size, max_batch, batch_wait_ms, request_timeout,
-         read_timeout, threads, warmup, compile_, graphs) -> None:
+         read_timeout, max_body_reads, max_body_reads_per_client, threads, warmup, compile_, graphs) -> None:
     """Serve an export as a System1-Omni worker: POST /v1/systemone, GET /health.
 
     \b
@@ -694,8 +772,8 @@ def main(export_dir, host, port, device, dtype, mode, kernels, temperature, cali
     try:
         with _stop_on_signal_before_ready():
             executor, settings, dev, sock = _start(export_dir, host, port, device, dtype, mode, kernels, temperature, calibration,
-                                                   queue_size, max_batch, batch_wait_ms, request_timeout, read_timeout, threads, warmup,
-                                                   compile_, graphs)
+                                                   queue_size, max_batch, batch_wait_ms, request_timeout, read_timeout, max_body_reads,
+                                                   max_body_reads_per_client, threads, warmup, compile_, graphs)
     except (ValenError, ValueError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -716,7 +794,8 @@ def main(export_dir, host, port, device, dtype, mode, kernels, temperature, cali
     log.info({"event": "ready", "url": f"http://{url_host}:{bound_port}", "port": bound_port, "device": dev,
               "device_name": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else (platform.processor() or platform.machine()),
               "dtype": dtype, "torch_threads": torch.get_num_threads(), **executor.engine_info, **{k: round(v, 3) for k, v in executor.timings.items()},
-              "queue_size": settings.queue_size, "batch_wait_ms": settings.batch_wait * 1e3, "request_timeout_s": settings.request_timeout, "read_timeout_s": settings.read_timeout,
+              "queue_size": settings.queue_size, "max_body_reads": settings.max_body_reads,
+              "max_body_reads_per_client": settings.max_body_reads_per_client, "batch_wait_ms": settings.batch_wait * 1e3, "request_timeout_s": settings.request_timeout, "read_timeout_s": settings.read_timeout,
               "versions": {"python": platform.python_version(), "torch": torch.__version__, "uvicorn": uvicorn.__version__}})
     server.run(sockets=[sock])
     executor.stop()

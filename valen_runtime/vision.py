@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from valen_runtime.cancel import checkpoint
 from valen_runtime.config import VisionConfig
 from valen_runtime.qwen35 import rotate_half
 
@@ -163,6 +164,7 @@ class VisionModel(nn.Module):
         x = self.patch_embed(pixel_values)  # [N, E]
         x = x + pos_embeds
         for block in self.blocks:
+            checkpoint()  # a served request given up stops here (cancel.py)
             x = block(x, lengths, cos, sin)
         return self.merger(x)
 

@@ -3,7 +3,7 @@
 `valen-serve`, `valen-run`, `valen-parity --requests` and `Compiler.compile` all go through here:
 - bounded reading (`read_limited`, `read_request_source`): never more than a limit + 1 byte;
 - strict JSON (`parse_request_bytes`): UTF-8, no duplicate keys, no NaN / Infinity, no lone
-  surrogates, no nesting deeper than the parser allows;
+  surrogates, no nesting deeper than MAX_DEPTH;
 - the request's shape and limits (`validate_request`), which returns the request in canonical
   form: instructions and descriptions sent as JSON objects or arrays become their JSON text;
 - the response body (`response_body`): answers in the upstream worker's key order.
@@ -39,13 +39,17 @@ MAX_SCORE_LEVELS = 10
 # most 1024 tokens (1,048,576 pixels / 32^2 per merged token), so 4 images use at most half of
 # max_length (8192) and leave the other half for the text and the longest question.
 MAX_MESSAGE_IMAGES = 4
+# Objects and arrays nested inside each other, the request object itself being level 1. Well under
+# what Python's JSON parser and serialiser reach before a RecursionError in any thread (about
+# 1,000 levels less the caller's stack), so every depth past it gets the same 400.
+MAX_DEPTH = 512
 
 QUESTION_TYPES = ("choice", "noul", "score")
 DATA_URL_PREFIXES = ("data:image/png;base64,", "data:image/jpeg;base64,")
 
 __all__ = [
     "MODEL_NAME", "MAX_BODY", "MAX_IMAGE_BYTES", "MAX_PIXELS", "MAX_SIDE", "MAX_ASPECT_RATIO", "MAX_QUESTIONS",
-    "MAX_OPTIONS", "MAX_TEXT", "MAX_NAME", "MIN_SCORE_LEVELS", "MAX_SCORE_LEVELS", "MAX_MESSAGE_IMAGES",
+    "MAX_OPTIONS", "MAX_TEXT", "MAX_NAME", "MIN_SCORE_LEVELS", "MAX_SCORE_LEVELS", "MAX_MESSAGE_IMAGES", "MAX_DEPTH",
     "BodyError", "TooLarge", "http_status", "read_limited", "read_request_source", "parse_request_bytes",
     "validate_request", "decode_request", "response_body", "encode_response",
 ]
@@ -126,7 +130,7 @@ def parse_request_bytes(data: bytes) -> dict:
     except BodyError:
         raise
     except RecursionError as exc:
-        raise BodyError("body", "JSON nested too deeply") from exc
+        raise _too_deep() from exc
     except UnicodeEncodeError as exc:
         raise BodyError("body", "a string holds a lone surrogate escape; not valid Unicode text") from exc
     except ValueError as exc:  # JSONDecodeError, oversized integer literals
@@ -134,6 +138,22 @@ def parse_request_bytes(data: bytes) -> dict:
     if not isinstance(value, dict):
         raise BodyError("body", "the request must be a JSON object")
     return value
+
+
+def _too_deep() -> BodyError:
+    return BodyError("body", f"JSON nested too deeply; at most {MAX_DEPTH} levels of objects and arrays")
+
+
+def _check_depth(value) -> None:
+    """BodyError when objects and arrays nest deeper than MAX_DEPTH (walked without recursion)."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise _too_deep()
+        level = [child for container in level for child in (container.values() if isinstance(container, dict) else container)
+                 if isinstance(child, (dict, list))]
 
 
 def decode_request(data: bytes) -> dict:
@@ -154,6 +174,7 @@ def validate_request(request) -> dict:
     """
     if not isinstance(request, dict):
         raise BodyError("body", "the request must be a JSON object")
+    _check_depth(request)  # before anything serialises a nested value
     for key in request:
         if key not in ("model", "state", "questions"):
             raise RequestError(str(key), "unknown field; a request has exactly model, state, questions")
@@ -173,8 +194,6 @@ def _as_text(value, field: str, what: str) -> str:
     if isinstance(value, (dict, list)):
         try:
             return json.dumps(value, ensure_ascii=False, allow_nan=False)
-        except RecursionError as exc:
-            raise RequestError(field, f"{what} is nested too deeply") from exc
         except (TypeError, ValueError) as exc:
             raise RequestError(field, f"{what} cannot be serialised as JSON ({exc})") from exc
     raise RequestError(field, f"{what} must be a string (or a JSON object or array, read as its JSON text)")

@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import time
+import warnings
 import zlib
 
 import numpy as np
@@ -25,6 +26,7 @@ from valen_runtime.image import (  # noqa: E402
     decode_image,
     fast_png_pixels,
     image_to_tensor,
+    open_image,
     plain_png,
     preprocess,
     smart_resize,
@@ -297,7 +299,7 @@ def apng() -> bytes:
 @pytest.mark.parametrize(
     "data, fmt, phrase",
     [
-        (lambda: png_with_header_size(100_000, 100_000), "png", "too large"),
+        (lambda: png_with_header_size(100_000, 100_000), "png", "image has 10000000000 pixels; the limit is 1048576"),
         (lambda: png_with_header_size(2049, 16), "png", "each side"),
         (lambda: png_with_header_size(2048, 513), "png", "pixels"),
         (lambda: png_with_header_size(201, 1), "png", "aspect"),
@@ -319,6 +321,35 @@ def test_decode_refusals(data, fmt, phrase):
     assert info.value.field == "state.image"
     assert phrase in str(info.value)
     assert time.perf_counter() - started < 2.0  # refused from the header, never decoded
+
+
+def test_a_decompression_bomb_is_refused_in_the_contracts_words():
+    """Pillow refuses such a header itself, before our checks run: the refusal must still state our
+    limit, not Pillow's internal one."""
+    with pytest.raises(RequestError) as info:
+        open_image(png_with_header_size(20_000, 20_000), "png", "state.image")
+    assert str(info.value) == "state.image: image has 400000000 pixels; the limit is 1048576"
+
+
+def palette_png_with_alpha_entries() -> bytes:
+    image = Image.new("P", (6, 4))
+    image.putpalette([v for i in range(4) for v in (60 * i, 255 - 60 * i, 30 * i)])
+    image.putdata([(x + y) % 4 for y in range(4) for x in range(6)])
+    return encode(image, "PNG", transparency=bytes([0, 128, 255, 64]))  # tRNS with an alpha per entry
+
+
+def test_a_palette_png_with_alpha_entries_decodes_without_a_warning():
+    """convert("RGB") warns about such a palette's transparency (the reference's processor ignores
+    the warning); a worker must not print it, and the pixels stay Pillow's."""
+    data = palette_png_with_alpha_entries()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decoded = decode_image(data, "png", "state.image")
+    assert [str(w.message) for w in caught] == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = Image.open(io.BytesIO(data)).convert("RGB")
+    assert decoded.mode == "RGB" and decoded.tobytes() == expected.tobytes()
 
 
 def test_limits_are_configurable():

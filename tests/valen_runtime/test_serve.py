@@ -31,6 +31,7 @@ MODEL = "valen-preview-0923"
 HEALTH = {"status": "ready", "model": MODEL, "modality": "multimodal"}
 READ_TIMEOUT = 3.0  # the module server's --read-timeout: short, yet long enough to hold requests open on 2 busy cores
 QUEUE_SIZE = 8
+BODY_READS, BODY_READS_PER_CLIENT = 12, 10  # the module server's --max-body-reads and --max-body-reads-per-client
 
 
 # ---------------------------------------------------------------- a server process
@@ -90,9 +91,10 @@ class Worker:
         return self.proc.wait(timeout=timeout)
 
 
-def http_call(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None, timeout: float = 120.0):
-    """One request on its own connection: (status, headers, JSON body)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+def http_call(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None, timeout: float = 120.0,
+              source: str | None = None):
+    """One request on its own connection (from the loopback address `source`): (status, headers, JSON body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0) if source else None)
     conn.putrequest(method, path, skip_accept_encoding=True)
     sent = {"Content-Type": "application/json", "Content-Length": str(len(body))} if method == "POST" else {}
     sent.update(headers or {})
@@ -106,9 +108,9 @@ def http_call(port: int, method: str, path: str, body: bytes = b"", headers: dic
     return response.status, dict(response.getheaders()), data
 
 
-def post(port: int, payload, headers: dict | None = None):
+def post(port: int, payload, headers: dict | None = None, source: str | None = None):
     body = payload if isinstance(payload, bytes) else json.dumps(payload, ensure_ascii=False).encode()
-    status, response_headers, data = http_call(port, "POST", "/v1/systemone", body, headers)
+    status, response_headers, data = http_call(port, "POST", "/v1/systemone", body, headers, source=source)
     return status, json.loads(data), response_headers
 
 
@@ -156,9 +158,10 @@ def raw_exchange(port: int, data: bytes, timeout: float = 30.0) -> tuple[int, di
         return answer
 
 
-def open_partial(port: int, body: bytes, sent: int) -> socket.socket:
-    """A request whose headers and first `sent` body bytes are on the wire; the rest is held back."""
-    sock = socket.create_connection(("127.0.0.1", port))
+def open_partial(port: int, body: bytes, sent: int, source: str = "127.0.0.1") -> socket.socket:
+    """A request (from the loopback address `source`) whose headers and first `sent` body bytes are
+    on the wire; the rest is held back."""
+    sock = socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
     sock.sendall(head_bytes(len(body)) + body[:sent])
     return sock
 
@@ -200,7 +203,8 @@ def data_url(data: bytes) -> str:
 @pytest.fixture(scope="module")
 def worker(tiny_export, tmp_path_factory):
     server = Worker(tiny_export["separate"], tmp_path_factory.mktemp("serve"), "--queue-size", str(QUEUE_SIZE),
-                    "--read-timeout", str(READ_TIMEOUT), "--request-timeout", "120")
+                    "--read-timeout", str(READ_TIMEOUT), "--request-timeout", "120",
+                    "--max-body-reads", str(BODY_READS), "--max-body-reads-per-client", str(BODY_READS_PER_CLIENT))
     yield server
     assert server.stop() == 0
 
@@ -300,6 +304,9 @@ def test_header_refusals(worker):
     assert raw_exchange(port, head_bytes(MAX_BODY + 1)) == (413, {"detail": f"body is {MAX_BODY + 1} bytes; the limit is {MAX_BODY}"})
     assert raw_exchange(port, head_bytes(2, content_type=b"text/plain") + b"{}") == (415, {"detail": "Content-Type must be application/json"})
     assert raw_exchange(port, head_bytes(2, content_type=b"") + b"{}")[0] == 415
+    for second in (b"text/plain", b"application/json"):  # a second Content-Type, conflicting or not
+        two = raw_exchange(port, head_bytes(2, b"Content-Type: " + second + b"\r\n") + b"{}")
+        assert two == (415, {"detail": "exactly one Content-Type header is allowed, got 2"}), second
     status, body, _ = post(port, text_request(), {"Content-Type": "Application/JSON; charset=utf-8"})
     assert status == 200 and body["model"] == MODEL
 
@@ -369,6 +376,38 @@ def test_limits_are_accepted_at_the_boundary(worker, engine):
         assert status == 200 and data == expected_bytes(engine, request)
 
 
+def png_header_claiming(width: int, height: int) -> bytes:
+    """A valid 8 x 8 PNG whose IHDR claims another size (CRC fixed up)."""
+    data = bytearray(png_bytes(8, 8))
+    data[16:24] = width.to_bytes(4, "big") + height.to_bytes(4, "big")
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")
+    return bytes(data)
+
+
+def test_library_warnings_keep_the_log_one_json_object_per_line(worker):
+    """Pillow warns on a palette image with an alpha per entry, and on a header past its own
+    (much higher) pixel guard; neither may put raw text between the log's JSON lines."""
+    from PIL import Image
+
+    palette = Image.new("P", (6, 4))
+    palette.putpalette([v for i in range(4) for v in (60 * i, 255 - 60 * i, 30 * i)])
+    palette.putdata([(x + y) % 4 for y in range(4) for x in range(6)])
+    buffer = io.BytesIO()
+    palette.save(buffer, "PNG", transparency=bytes([0, 128, 255, 64]))
+    question = {"q": {"type": "choice", "instructions": "Colour?", "criteria": {"w": "White", "b": "Black"}}}
+    status, _, _ = post(worker.port, {"model": MODEL, "state": {"image": data_url(buffer.getvalue())}, "questions": question},
+                        {"X-Request-Id": "palette"})
+    assert status == 200
+    status, answer, _ = post(worker.port, {"model": MODEL, "state": {"image": data_url(png_header_claiming(10_000, 10_000))}, "questions": question},
+                             {"X-Request-Id": "bomb-warning"})
+    assert status == 422 and answer["detail"] == "state.image: image is 10000x10000; each side must be at most 2048"
+    worker.wait_for(lambda ln: ln.get("id") == "bomb-warning")
+    with worker._changed:
+        raw = list(worker.raw_lines)
+    for line in raw:
+        assert isinstance(json.loads(line), dict), line
+
+
 # ---------------------------------------------------------------- hostile framing: 408, mismatched lengths
 
 
@@ -411,19 +450,77 @@ def test_mismatched_content_length(worker):
 
 
 def test_full_queue_is_503_while_health_stays_ready(worker, engine):
+    """queue_size + 1 requests admitted (one running, the others read and waiting): one more gets
+    503 before its body is read, /health stays ready, and the admitted ones are all answered."""
+    two = {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true?"} for i in range(2)}
+    waiting = [text_request(f"Customer {i} was charged twice.") for i in range(QUEUE_SIZE)]
+    with concurrent.futures.ThreadPoolExecutor(QUEUE_SIZE + 1) as pool:
+        running = pool.submit(post, worker.port, text_request(HEAVY_STATE, two))  # two branches of 4,100 tokens: seconds on 2 cores
+        time.sleep(0.5)  # running by now, so the next ones wait behind it
+        answers = [pool.submit(http_call, worker.port, "POST", "/v1/systemone", json.dumps(r).encode()) for r in waiting]
+        time.sleep(0.3)  # their bodies read and parsed: admitted
+        status, answer, _ = post(worker.port, text_request())
+        assert status == 503 and answer["detail"].startswith(f"worker busy: {QUEUE_SIZE + 1} requests admitted"), answer
+        assert http_call(worker.port, "GET", "/health")[:1] == (200,)
+        assert running.result()[0] == 200
+        for request, answered in zip(waiting, answers):
+            status, _, data = answered.result()
+            assert status == 200 and data == expected_bytes(engine, request)
+
+
+def test_idle_bodies_hold_no_inference_capacity(worker, engine):
+    """As many requests as the worker admits send their headers and half their bodies, then idle:
+    they hold body-read slots only, so a complete request is still answered at once (it used to get
+    503 worker busy until their read timeout), and they are answered once their bodies come."""
     requests = [text_request(f"Customer {i} was charged twice.") for i in range(QUEUE_SIZE + 1)]
     bodies = [json.dumps(r).encode() for r in requests]
-    held = [open_partial(worker.port, body, len(body) // 2) for body in bodies]  # admitted, bodies half read
+    held = [open_partial(worker.port, body, len(body) // 2) for body in bodies]
     try:
-        # The event loop admits each as soon as its headers are parsed: let it see them first.
         assert http_call(worker.port, "GET", "/health")[0] == 200
-        time.sleep(0.3)
+        time.sleep(0.3)  # the event loop has read each one's headers
         status, answer, _ = post(worker.port, text_request())
-        assert status == 503 and answer["detail"].startswith(f"worker busy: {QUEUE_SIZE + 1} requests admitted")
-        assert http_call(worker.port, "GET", "/health")[:1] == (200,)
+        assert status == 200, answer
         for sock, body in zip(held, bodies):
             sock.sendall(body[len(body) // 2:])
         for sock, request in zip(held, requests):
+            status, answer = read_response(sock, 120)
+            assert status == 200 and encode_response(answer) == expected_bytes(engine, request)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_body_read_caps_are_503_per_client_and_in_total_while_health_stays_ready(worker, engine):
+    """--max-body-reads-per-client idle bodies from one address: that address's next request is 503,
+    another address's body is read; --max-body-reads in all: every address's next request is 503.
+    /health answers ready throughout, and the held requests are answered once their bodies come."""
+    requests = [text_request(f"Order {i} arrived late.") for i in range(BODY_READS)]
+    bodies = [json.dumps(r).encode() for r in requests]
+    sources = ["127.0.0.1"] * BODY_READS_PER_CLIENT + ["127.0.0.2"] * (BODY_READS - BODY_READS_PER_CLIENT)
+    held = []
+    try:
+        held += [open_partial(worker.port, body, 10, source) for body, source in zip(bodies, sources[:BODY_READS_PER_CLIENT])]
+        assert http_call(worker.port, "GET", "/health")[0] == 200
+        time.sleep(0.3)  # the event loop has read each one's headers
+        status, answer, _ = post(worker.port, text_request())
+        assert (status, answer["detail"]) == (503, f"too many request bodies being read from 127.0.0.1: {BODY_READS_PER_CLIENT} (--max-body-reads-per-client)")
+        # Another address's body is still read (a broken one: answered at once, within the held ones' read timeout).
+        assert post(worker.port, b"{broken", source="127.0.0.2")[0] == 400
+        held += [open_partial(worker.port, body, 10, source)
+                 for body, source in zip(bodies[BODY_READS_PER_CLIENT:], sources[BODY_READS_PER_CLIENT:])]
+        assert http_call(worker.port, "GET", "/health")[0] == 200
+        time.sleep(0.3)
+        status, answer, _ = post(worker.port, text_request(), source="127.0.0.3")
+        assert (status, answer["detail"]) == (503, f"too many request bodies being read: {BODY_READS} (--max-body-reads)")
+        status, _, data = http_call(worker.port, "GET", "/health")
+        assert status == 200 and json.loads(data) == HEALTH
+        # More bodies are being read than the worker admits: the extra ones' clients give up, the
+        # others finish sending and are answered.
+        for sock in held[QUEUE_SIZE + 1:]:
+            sock.close()
+        for sock, body in zip(held[:QUEUE_SIZE + 1], bodies):
+            sock.sendall(body[10:])
+        for sock, request in zip(held[:QUEUE_SIZE + 1], requests):
             status, answer = read_response(sock, 120)
             assert status == 200 and encode_response(answer) == expected_bytes(engine, request)
     finally:
@@ -446,7 +543,10 @@ def test_requests_leave_no_temporary_files(worker):
 # ---------------------------------------------------------------- lifecycle: SIGTERM, startup refusals, 500, request timeout
 
 
-def test_sigterm_mid_request_answers_then_exits_0(tiny_export, tmp_path, engine):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_mid_request_answers_then_exits_0(tiny_export, tmp_path, engine, signum):
+    """SIGHUP drains like SIGTERM: its default used to kill the worker mid-request (exit 129, an
+    empty reply, no "stopped" line)."""
     server = Worker(tiny_export["separate"], tmp_path, "--read-timeout", "30")
     try:
         waiting = text_request("Waiting in its body.")
@@ -460,14 +560,14 @@ def test_sigterm_mid_request_answers_then_exits_0(tiny_export, tmp_path, engine)
             assert http_call(server.port, "GET", "/health")[0] == 200
             time.sleep(0.5)
             signalled_at = time.time()
-            server.proc.send_signal(signal.SIGTERM)
+            server.proc.send_signal(signum)
             deadline = time.monotonic() + 10
             while True:  # the listening socket closes: new connections are refused
                 try:
                     socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
                 except ConnectionRefusedError:
                     break
-                assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
+                assert time.monotonic() < deadline, f"still accepting connections after {signum!r}"
                 time.sleep(0.05)
             sock.sendall(body[10:])
             status, answer = read_response(sock, 60)
@@ -507,12 +607,13 @@ def test_startup_refuses_a_damaged_export_and_a_taken_port(tiny_export, tmp_path
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == "error: --queue-size must be an integer >= 0, got -1", result.stderr
 
 
-def test_sigterm_while_loading_exits_0_without_listening(tiny_export, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_while_loading_exits_0_without_listening(tiny_export, tmp_path, signum):
     cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = proc.stderr.readline()  # the "loading" line comes before the export is read
     assert json.loads(first)["event"] == "loading", first
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     rest = proc.stderr.read()
     assert proc.wait(timeout=60) == 0, rest
     assert '"event": "stopped"' in rest and '"event": "ready"' not in rest and "Traceback" not in rest, rest
@@ -534,27 +635,31 @@ def _export_with_failing_template(source, tmp_path):
     return broken
 
 
-def test_internal_failure_is_500_and_a_late_answer_is_503(tiny_export, tmp_path, engine):
-    server = Worker(_export_with_failing_template(tiny_export["separate"], tmp_path), tmp_path, "--request-timeout", "0.5")
+def test_internal_failure_is_500_and_a_late_answer_is_503_and_stops_computing(tiny_export, tmp_path, engine):
+    server = Worker(_export_with_failing_template(tiny_export["separate"], tmp_path), tmp_path, "--request-timeout", "3")
     try:
         status, answer, headers = post(server.port, text_request("please trigger-500 now"))
         assert (status, answer) == (500, {"detail": "inference failed"})
         server.wait_for(lambda ln: ln.get("id") == headers["x-request-id"])
         (line,) = server.requests_logged(headers["x-request-id"])
         assert line["status"] == 500 and line["error"].startswith("ConfigError: chat template emitted <|video_pad|>")
-        # Three branches of about 4,100 tokens each (1 s or more each on 2 cores) against a 0.5 s
-        # timeout: answered 503 at the timeout, and the worker goes on.
-        three = {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true?"} for i in range(3)}
+        # Eight branches of about 4,100 tokens each (1 s or more each on 2 cores) against a 3 s
+        # timeout: answered 503 at the timeout, and the executor stops it at its next layer instead
+        # of finishing it, so the next request starts at once (it used to wait, or time out too).
+        eight = {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true?"} for i in range(8)}
         t0 = time.monotonic()
-        status, answer, _ = post(server.port, text_request(HEAVY_STATE, three))
-        assert status == 503 and "not answered within 0.5 s" in answer["detail"]
-        assert 0.5 <= time.monotonic() - t0 < 10
+        status, answer, _ = post(server.port, text_request(HEAVY_STATE, eight), {"X-Request-Id": "late"})
+        assert status == 503 and "not answered within 3 s" in answer["detail"]
+        assert 3 <= time.monotonic() - t0 < 15
+        late = server.wait_for(lambda ln: ln.get("id") == "late")
+        assert late["status"] == 503 and late["executor"].startswith("still busy with it")
+        stopped = server.wait_for(lambda ln: ln.get("event") == "cancelled")
+        assert stopped["ids"] == ["late"] and stopped["ms_after_abandoned"] >= 0
         assert http_call(server.port, "GET", "/health")[0] == 200
         request = text_request("An ordinary request afterwards.")
-        deadline = time.monotonic() + 60
-        while (result := http_call(server.port, "POST", "/v1/systemone", json.dumps(request).encode()))[0] == 503:
-            assert time.monotonic() < deadline  # it may time out while the abandoned request still runs
-        assert result[0] == 200 and result[2] == expected_bytes(engine, request)
+        status, _, data = http_call(server.port, "POST", "/v1/systemone", json.dumps(request).encode(), {"X-Request-Id": "next"})
+        assert status == 200 and data == expected_bytes(engine, request)
+        assert server.wait_for(lambda ln: ln.get("id") == "next")["queue_ms"] < 1000  # nothing left running ahead of it
     finally:
         assert server.stop() == 0
 
@@ -606,6 +711,7 @@ def test_waiting_requests_run_in_one_sweep_and_a_bad_one_fails_alone(batching_wo
 @pytest.mark.parametrize("option, value, message", [
     ("--max-batch", "0", "error: --max-batch must be an integer >= 1, got 0"),
     ("--batch-wait-ms", "1500", "error: --batch-wait-ms must be between 0 and 1000, got 1500"),
+    ("--max-body-reads-per-client", "0", "error: --max-body-reads-per-client must be an integer >= 1, got 0"),
 ])
 def test_batching_options_are_checked_in_one_line(tiny_export, option, value, message):
     cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), option, value, "--device", "cpu"]

@@ -20,6 +20,7 @@ from valen_runtime.request import Compiler
 from valen_runtime.errors import RequestError
 from valen_runtime.wire import (
     MAX_BODY,
+    MAX_DEPTH,
     MAX_IMAGE_BYTES,
     MAX_MESSAGE_IMAGES,
     MAX_OPTIONS,
@@ -183,6 +184,30 @@ def test_deep_but_parseable_nesting_is_a_text_state():
     for _ in range(50):
         state = {"k": state}
     assert decode_request(json.dumps(request(state=state)).encode())["state"] == state
+
+
+def nested_state_body(levels: int) -> bytes:
+    """A request whose state is `levels` arrays inside each other: levels + 1 in all, the request included."""
+    head = json.dumps(request())[:-1].replace('"state": "The card was charged twice.", ', "")
+    return (head + ', "state": ' + "[" * levels + "]" * levels + "}").encode()
+
+
+def test_one_nesting_limit_with_one_status():
+    """MAX_DEPTH levels are read; every depth past it is the same 400, whether Python's parser would
+    have read it (it used to be a 422 from serialising the state just under the parser's limit of
+    about 1,000) or not; a dict handed to validate_request is held to the same limit."""
+    assert decode_request(nested_state_body(MAX_DEPTH - 1))["state"] == json.loads("[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1))
+    messages = set()
+    for levels in (MAX_DEPTH, 900, 985, 986, 987, 988, 989, 1200, 100_000):
+        with pytest.raises(BodyError) as info:
+            decode_request(nested_state_body(levels))
+        assert http_status(info.value) == 400, (levels, str(info.value))
+        messages.add(str(info.value))
+    assert messages == {f"body: JSON nested too deeply; at most {MAX_DEPTH} levels of objects and arrays"}
+    state: list = []
+    for _ in range(MAX_DEPTH):
+        state = [state]
+    refused(request(state=state), "body", "nested too deeply", BodyError)
 
 
 # ---------------------------------------------------------------- shape and limits (422 unless noted)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..cancel import checkpoint
 from ..qwen35 import TextCache, TextModel, causal_mask, rms_norm
 from ..vision import VisionBlock, VisionModel, frame_lengths, grid_list, per_frame
 from .kernels import fla_available, fla_version, sdpa_vision_attention
@@ -102,6 +103,7 @@ class FastText:
         mask = causal_mask(T, past, inputs_embeds.dtype, inputs_embeds.device)  # [1, 1, T, S]
         h = inputs_embeds
         for i in range(len(self.layer_weights)):
+            checkpoint()  # a served request given up stops here (cancel.py)
             h = self.layer(i, h, cos, sin, mask, cache)
         if cache is not None:
             cache.num_tokens = past + T
@@ -157,6 +159,7 @@ class FastText:
             _dynamic(t, *dims)
         h = rows
         for i, w in enumerate(self.layer_weights):
+            checkpoint()
             if self.config.layer_types[i] == "linear_attention":
                 _dynamic(h, 0, 1)
                 h = self.fns.gdn_one_pass(h, zero_state, layout.conv_taps, layout.prefix_rows, layout.prefix_cu_seqlens,
@@ -240,6 +243,7 @@ class FastVision:
         """As `VisionModel.encode` (capturable: no host work)."""
         x = self.patch_embed(pixel_values) + pos_embeds  # [N, E]
         for block in self.reference.blocks:
+            checkpoint()
             x = self.run_block(block, x, lengths, cos, sin)
         return self.reference.merger(x)
 

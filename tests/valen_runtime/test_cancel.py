@@ -1,0 +1,99 @@
+"""valen_runtime.cancel: work under a scope stops at the model's next layer once the scope says stop;
+outside a scope nothing changes (the tiny fixture export on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from valen_runtime import cancel
+
+MODEL = "valen-preview-0923"
+QUESTIONS = {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true?"} for i in range(2)}
+
+
+def counting_stop(after: int | None):
+    """A stop test that counts its calls and says stop from call `after` on (None: never)."""
+    calls = []
+
+    def stop() -> bool:
+        calls.append(None)
+        return after is not None and len(calls) >= after
+
+    return stop, calls
+
+
+def test_checkpoint_raises_only_inside_a_scope_that_says_stop():
+    cancel.checkpoint()  # no scope: nothing happens
+    with cancel.scope(lambda: False):
+        cancel.checkpoint()
+        with cancel.scope(lambda: True):
+            with pytest.raises(cancel.Cancelled):
+                cancel.checkpoint()
+        cancel.checkpoint()  # the outer scope is back
+    cancel.checkpoint()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_export):
+    from valen_runtime.engine import Engine
+    from valen_runtime.options import EngineOptions
+
+    export = tiny_export["separate"]
+    return {"per-branch": Engine.load(export, EngineOptions(device="cpu")),
+            "batching": Engine.load(export, EngineOptions(device="cpu", mode="shared-prefix", kernels="fast"))}
+
+
+@pytest.mark.parametrize("kind", ["per-branch", "batching"])
+def test_a_cancelled_run_stops_at_the_next_layer(engines, kind, long_image_request, short_request):
+    """The stop test is read before every layer of the vision tower and the text stack; once it says
+    stop, the run raises Cancelled and reads it no more (no further layer ran)."""
+    engine = engines[kind]
+    request = {**long_image_request, "questions": QUESTIONS}
+    stop, layers = counting_stop(None)
+    with cancel.scope(stop):
+        engine.run(request)
+    assert len(layers) > 6  # vision blocks and text layers, per branch in the per-branch mode
+    stop, calls = counting_stop(after=4)
+    with cancel.scope(stop), pytest.raises(cancel.Cancelled):
+        engine.run(request)
+    assert len(calls) == 4
+    assert engine.run(short_request).response["answers"].keys() == short_request["questions"].keys()  # unaffected afterwards
+
+
+def test_a_cancelled_batch_is_not_rerun_request_by_request(engines, batch_requests):
+    """A failed combined sweep reruns each request alone; a cancelled one must not: every request
+    gets Cancelled."""
+    engine = engines["batching"]
+    assert engine.batches
+    prepared = engine.prepare_many(batch_requests)
+    stop, calls = counting_stop(after=1)
+    with cancel.scope(stop):
+        results = engine.collect(engine.launch(prepared))
+    assert [type(r) for r in results] == [cancel.Cancelled] * len(batch_requests)
+    assert len(calls) == 1
+
+
+@pytest.mark.gpu
+def test_cancelling_on_cuda_leaves_the_graph_cache_usable(tiny_export, short_request):
+    """On CUDA with graphs: a run cancelled on the use that would capture its shape's graph (in
+    the warm-up run before the capture) leaves that shape unseen, and a stop test that says stop
+    only while a graph is being captured never cuts the capture; the engine then answers exactly
+    as one that was never cancelled."""
+    import torch
+
+    from valen_runtime.engine import Engine
+    from valen_runtime.options import EngineOptions
+
+    options = EngineOptions(device="cuda", dtype="bf16", mode="shared-prefix", kernels="fast", compile=False, graphs=True)
+    cancelled, untouched = (Engine.load(tiny_export["separate"], options) for _ in range(2))
+    long_text = dict(short_request, state=" ".join(["the order was charged twice and the customer asked for a refund"] * 12))
+    for request in (short_request, long_text):
+        direct, captured, replayed = (untouched.run(request).response for _ in range(3))
+        assert cancelled.run(request).response == direct  # first use: run directly
+        stop, _ = counting_stop(after=2)
+        with cancel.scope(stop), pytest.raises(cancel.Cancelled):  # second use: stopped in the warm-up run
+            cancelled.run(request)
+        assert cancelled.run(request).response == direct  # the shape counts as unseen again
+        with cancel.scope(torch.cuda.is_current_stream_capturing):
+            assert cancelled.run(request).response == captured
+        assert cancelled.run(request).response == replayed

@@ -1,0 +1,46 @@
+"""Cooperative cancellation of the engine's work.
+
+A thread runs engine work under `scope(stop)`; the model calls `checkpoint()` between its layers
+(text and vision), which raises `Cancelled` once `stop()` is true. `valen-serve` uses it so a
+request whose client already got its 503 stops computing within a layer instead of holding the
+executor until it finishes. Outside a scope `checkpoint()` does nothing: `valen-run`, the parity
+harness and the warmup are never cancelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Iterator
+
+import torch
+
+_local = threading.local()
+
+
+class Cancelled(Exception):
+    """The work was given up: everyone who wanted its result has stopped waiting for it."""
+
+
+@contextlib.contextmanager
+def scope(stop: Callable[[], bool]) -> Iterator[None]:
+    """Run the body with `stop` as this thread's cancellation test (scopes nest; the outer one returns after)."""
+    previous = getattr(_local, "stop", None)
+    _local.stop = stop
+    try:
+        yield
+    finally:
+        _local.stop = previous
+
+
+def checkpoint() -> None:
+    """Raise Cancelled when this thread's scope says stop; cheap enough to call between layers."""
+    stop = getattr(_local, "stop", None)
+    if stop is not None and stop() and not _inside_traced_work():
+        raise Cancelled("stopped between layers: the request was abandoned")
+
+
+def _inside_traced_work() -> bool:
+    # A CUDA graph being captured (or a function being compiled) must see the whole layer stack;
+    # the work then stops at the next checkpoint outside it.
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
