@@ -142,3 +142,44 @@ def test_the_capture_policy_first_use_direct_second_captures_then_replays_cpu(mo
     for i in range(20):
         cache.run(("once", i), fn, torch.ones(1))
     assert len(cache.seen) == 8 and ("once", 19) in cache.seen and ("once", 11) not in cache.seen
+
+
+def test_named_inputs_reach_fn_as_the_same_named_tuple_cpu(monkeypatch):
+    """A layout's inputs (a named tuple with a nested named tuple and a None field) go into static
+    buffers field by field and come back to `fn` as the same named tuple: direct, captured and
+    replayed uses all see fresh values in their own fields."""
+    from typing import NamedTuple
+
+    class Inner(NamedTuple):
+        a: torch.Tensor
+        b: torch.Tensor
+
+    class Inputs(NamedTuple):
+        x: torch.Tensor
+        inner: Inner
+        features: torch.Tensor | None = None
+
+    FakeCuda(monkeypatch)
+    seen = []
+
+    def fn(inputs):
+        assert type(inputs) is Inputs and type(inputs.inner) is Inner and inputs.features is None
+        seen.append(inputs)
+        return (inputs.x * 100 + inputs.inner.a * 10 + inputs.inner.b,)
+
+    cache = GraphCache(max_graphs=2)
+    real_capture = cache._capture
+
+    def capture(key, fn_, flat):
+        entry = real_capture(key, fn_, flat)
+        graph, static_in, static_out, _ = entry
+        graph.outputs = static_out
+        FakeGraph.recording = {"fn": fn_, "inputs": static_in}
+        return entry
+
+    monkeypatch.setattr(cache, "_capture", capture)
+    for use in range(4):  # direct, capture (+ its replay), replays
+        inputs = Inputs(torch.full((2,), float(use)), Inner(torch.full((2,), 1.0 + use), torch.full((2,), 2.0 + use)))
+        (out,) = cache.run("k", fn, inputs)
+        assert torch.equal(out, torch.full((2,), 100.0 * use + 10 * (1 + use) + 2 + use)), use
+    assert seen[0].x.data_ptr() != seen[-1].x.data_ptr() and len(cache) == 1  # later uses read the static copies
