@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE.parent))
 from layer_bench import CASES  # noqa: E402
 from profile_fast import kernel_profile  # noqa: E402
 from valen_runtime.fast.layers import _conv_taps_silu, causal_conv_silu_taps  # noqa: E402
-from valen_runtime.plan import packed_indices  # noqa: E402
+from valen_runtime.layouts import packed_indices  # noqa: E402
 
 # (name, in, n*r) of every LoRA A product in a 2B layer: GDN in_proj (4 members), out_proj,
 # the MLP's gate|up and down, attention's q|k|v and o_proj; rank 32.
@@ -105,7 +105,7 @@ def run_conv(cases: list[str], device: str) -> dict:
     for case in cases:
         cut, lengths = CASES[case]
         layout = packed_indices([(cut, lengths)], K_CONV)
-        taps = layout[2]
+        taps = layout.conv_taps
         fix_rows, fix_taps = conv_fixups([cut] + lengths, taps, K_CONV)
         R = cut + sum(lengths)
         mixed = torch.randn(1, R, C_CONV, generator=gen).to(device=device, dtype=torch.bfloat16)

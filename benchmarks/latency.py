@@ -152,7 +152,7 @@ def main() -> None:
         try:
             options = EngineOptions(device=args.device, dtype="bf16", **kw)
             if options.kernels == "fast" and merged not in fast_models:
-                fast_models[merged] = FastModel.build(models[merged], compile=options.compile)
+                fast_models[merged] = FastModel.build(models[merged], options)
             engines[label] = Engine(models[merged], compiler, options, fast=fast_models.get(merged) if options.kernels == "fast" else None)
         except ValueError as e:  # recorded per request below
             print(f"{label}: not available: {e}", file=sys.stderr, flush=True)

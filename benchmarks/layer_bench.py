@@ -29,8 +29,8 @@ sys.path.insert(0, str(HERE.parent))
 from profile_fast import kernel_profile  # noqa: E402
 from valen_runtime.config import TextConfig  # noqa: E402
 from valen_runtime.fast.layers import compile_layer_fns, gather_weights, make_layer_fns  # noqa: E402
-from valen_runtime.fast.model import OnePass, one_pass_mask  # noqa: E402
-from valen_runtime.plan import packed_indices  # noqa: E402
+from valen_runtime.layouts.common import upload  # noqa: E402
+from valen_runtime.layouts.one_pass import one_pass_mask, packed_indices  # noqa: E402
 from valen_runtime.qwen35 import DecoderLayer, LoRALinear, TextRotaryEmbedding, attach_lora  # noqa: E402
 
 CASES = {
@@ -68,7 +68,7 @@ def layer_call(cfg: TextConfig, fns, kind: str, weights, case: str, device: str,
     """A zero-argument call of the layer's one-pass function on random rows of `case`'s layout."""
     cut, lengths = CASES[case]
     K = cfg.linear_conv_kernel_dim
-    layout = OnePass(*(t.to(device) for t in packed_indices([(cut, lengths)], K)))
+    layout = upload(packed_indices([(cut, lengths)], K), torch.device(device))
     R = cut + sum(lengths)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(1, R, cfg.hidden_size, generator=gen).to(device=device, dtype=torch.bfloat16)

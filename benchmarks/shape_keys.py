@@ -1,5 +1,5 @@
 """How many CUDA-graph keys the benchmark requests' varied-length variants fall on, with and
-without shape buckets (valen_runtime.plan), and what the buckets cost in rows. Host only, no model.
+without shape buckets (valen_runtime.layouts), and what the buckets cost in rows. Host only, no model.
 
 Each kind (a)-(d) of bench_requests.py is taken in `--variants` lengths (serve_load.new_shape:
 words added to the first question and its first candidate), compiled by the export's own
@@ -29,22 +29,23 @@ from serve_load import new_shape  # noqa: E402
 
 def rows_swept(plan) -> int:
     """Rows a plan runs through the layers: prefixes + continuations, or N rows of L."""
+    shape = plan.shape
     if plan.kind == "one-pass":
-        return plan.sizes[1] + plan.sizes[2]
+        return shape.cut + shape.T
     if plan.kind == "rows":
-        return plan.sizes[0] * plan.sizes[1]
-    return plan.sizes[1] + plan.sizes[2] * plan.sizes[3]
+        return shape.N * shape.L
+    return shape.cut + shape.N * shape.L
 
 
 def unbucketed(compiled, config, plan) -> tuple[tuple, int]:
     """(key, rows) of the same layout without buckets: one-pass with its rows rounded to 8 (keyed
-    by its sizes, which hold no per-sequence length), or a short state's branches as rows of its
+    by its shape, which holds no per-sequence length), or a short state's branches as rows of its
     state + longest suffix rounded to 8 (keyed by branches, length, candidates, image tokens)."""
-    from valen_runtime.plan import plan_one_pass
+    from valen_runtime.layouts import one_pass
 
     if plan.kind == "one-pass":
-        plain = plan_one_pass([compiled], config, buckets=False)
-        return (plain.kind, *plain.sizes), rows_swept(plain)
+        plain = one_pass.build([compiled], config, buckets=False)
+        return plain.key, rows_swept(plain)
     branches = [br for q in compiled.questions for br in q.branches]
     P = len(compiled.state.input_ids)
     L = -(-(P + max(len(br.suffix_ids) for br in branches)) // 8) * 8
@@ -61,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from valen_runtime.config import ModelConfig
-    from valen_runtime.plan import plan_shared_prefix
+    from valen_runtime.layouts import choose
     from valen_runtime.request import Compiler
 
     export = args.export
@@ -77,8 +78,8 @@ def main() -> None:
         keys, plain_keys, growth = set(), set(), []
         for i in range(args.variants):
             compiled = compiler.compile(new_shape(request, i))
-            plan = plan_shared_prefix(compiled, config, one_pass=True)
-            keys.add((plan.kind, *plan.sizes))
+            plan = choose(compiled, config, "one-pass")
+            keys.add(plan.key)
             plain_key, plain_rows = unbucketed(compiled, config, plan)
             plain_keys.add(plain_key)
             growth.append(rows_swept(plan) / plain_rows)

@@ -158,7 +158,7 @@ def environment(engine) -> dict:
         "torch_num_threads": torch.get_num_threads(),
         # What the engine runs at its seams: {"gated_delta": "torch" | "fla-core X", "attention": "eager" | "sdpa", ...}.
         "kernels": dict(engine.kernels),
-        # The shared-prefix layout the engine plans for a state of 64 tokens or more (valen_runtime.plan):
+        # The shared-prefix layout the engine plans for a state of 64 tokens or more (valen_runtime.layouts):
         # "one-pass" or "batch"; a shorter state runs as "rows" in either.
         "layout": ("one-pass" if engine.one_pass else "batch") if engine.mode == "shared-prefix" else None,
         "cuda_graphs": engine.graphs is not None,

@@ -7,17 +7,20 @@
 - execute: the text stack and the head, in one of two modes computing the same function:
   "per-branch" (the reference's shape: every branch one forward of state + suffix from position
   0, batch 1, no cache; the parity baseline) or "shared-prefix" (the state once, every branch
-  continuing from its per-layer state, laid out by plan.py; exact in real arithmetic, rounding
-  measured by valen-parity). On CUDA the shared-prefix work can replay from a CUDA graph.
+  continuing from its per-layer state; exact in real arithmetic, rounding measured by
+  valen-parity). Shared-prefix work is a `layouts.Plan` (`layouts.choose` picks its layout) run
+  by its layout's forward, directly or, on CUDA, replayed from a CUDA graph keyed by `Plan.key`.
 - finish: probabilities, answers and the response JSON (answers.py).
 `run_many` runs several requests as one batch (prepare_many -> launch -> collect): where the
 engine runs the one-pass layout their rows share one sweep of the layers, each request with its
-own prefix (plan.plan_one_pass); a request that fails is answered by its own exception.
-The engine knows nothing about JSON validation or tokenization: request.py does that.
+own prefix (layouts.one_pass); a request that fails is answered by its own exception.
+The engine knows nothing about JSON validation or tokenization (request.py), and decides no
+default: every choice comes resolved from its `EngineOptions`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -28,10 +31,9 @@ import torch
 
 from .answers import answer_from_probabilities, batch_probabilities, response
 from .cancel import Cancelled
+from .layouts import LAYOUTS, Plan, choose, one_pass
 from .options import EngineOptions
-from .plan import Plan, plan_one_pass, plan_shared_prefix
 from .positions import rope_index
-from .qwen35 import TextCache
 from .request import CompiledRequest, Compiler, ImageInputs
 from .vision import frame_lengths, grid_list
 from .weights import DTYPES, LoadedModel, load_model
@@ -64,17 +66,20 @@ class Batch:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, compiler: Compiler, options: EngineOptions, temperature: float = 1.0,
+    def __init__(self, model: LoadedModel, compiler: Compiler, options: EngineOptions, temperature: float | None = None,
                  fast: FastModel | None = None):
         """An engine over a loaded model; `options` must name the model's device type and dtype.
-        fast: a `fast.model.FastModel` already built from `model` (engines over one model may share
-        it, and its compiled functions); built here when kernels="fast" and none is given."""
+        temperature: given, it replaces the options' (and their calibration's), checked by them.
+        fast: a `fast.model.FastModel` already built from `model` with these options (engines over
+        one model may share it, and its compiled functions); built here when kernels="fast" and
+        none is given."""
         if options.torch_device.type != model.device.type or model.dtype != DTYPES[options.dtype]:
             raise ValueError(f"options ask for {options.dtype} on {options.device}, the model is {model.dtype} on {model.device}")
+        if temperature is not None:
+            options = dataclasses.replace(options, temperature=temperature, calibration=None)
         self.model = model
         self.compiler = compiler
         self.options = options
-        self.temperature = temperature
         self.model_id = model.manifest.data.get("model_id", "valen-preview-0923")
         self.fast = None
         self.text, self.vision = model.text, model.vision
@@ -83,17 +88,13 @@ class Engine:
             from .fast.model import FastModel
 
             if fast is None:
-                fast = FastModel.build(model, compile=options.compile)
-            elif fast.compiled != options.compile or fast.text.embed_tokens is not model.text.embed_tokens:
-                raise ValueError(f"the fast model given was not built from this model with compile={options.compile}")
+                fast = FastModel.build(model, options)
+            elif (fast.compiled, fast.text.delta_impl, fast.vision.patch_gemm) != (options.compile, options.delta_kernel, options.patch_embed == "linear") \
+                    or fast.text.embed_tokens is not model.text.embed_tokens:
+                raise ValueError(f"the fast model given was not built from this model with compile={options.compile}, "
+                                 f"delta_kernel={options.delta_kernel!r}, patch_embed={options.patch_embed!r}")
             self.fast = fast
             self.text, self.vision, self.kernels = self.fast.text, self.fast.vision, self.fast.kernels
-        # The one-pass layout (plan.py) runs on the fast model: on CUDA where FLA runs the delta rule
-        # (bf16; measured faster than the batch layout, and its varlen kernel takes the sequence
-        # boundaries on the device, so it can be graphed), and on the CPU, where it is the same code
-        # as CUDA's default (what the parity gate checks). On CUDA the reference rule's varlen form
-        # loops over the sequences on the host, so there (fp32) the batch layout runs.
-        self.one_pass = self.fast is not None and (self.fast.text.delta_impl == "fla" or model.device.type == "cpu")
         self.graphs = None
         if options.graphs:
             from .fast.graphs import GraphCache
@@ -102,9 +103,10 @@ class Engine:
 
     @classmethod
     def load(cls, export_dir: str | Path, options: EngineOptions | None = None, *, verify: str = "size",
-             temperature: float = 1.0) -> "Engine":
+             temperature: float | None = None) -> "Engine":
         """Load an export; options default to `EngineOptions()` (the device's defaults).
-        verify: "size" checks file sizes, "full" re-hashes every file, "none" neither."""
+        verify: "size" checks file sizes, "full" re-hashes every file, "none" neither.
+        temperature: given, it replaces the options' (see __init__)."""
         options = options if options is not None else EngineOptions()
         model = load_model(export_dir, device=options.device, dtype=options.dtype, verify=verify)
         prompt = model.manifest.data["prompt"]
@@ -114,6 +116,21 @@ class Engine:
     @property
     def mode(self) -> str:
         return self.options.mode
+
+    @property
+    def temperature(self) -> float:
+        return self.options.temperature
+
+    @property
+    def one_pass(self) -> bool:
+        """Whether a state with a chunk-aligned prefix runs the one-pass layout (else batch)."""
+        return self.options.layout == one_pass.name
+
+    @property
+    def batches(self) -> bool:
+        """Whether run_many sweeps several requests' rows through the layers together (the fast
+        model's one-pass layout, shared-prefix mode); otherwise it runs them one after the other."""
+        return self.options.batching
 
     # ---- whole requests ---------------------------------------------------------------------
 
@@ -160,7 +177,7 @@ class Engine:
         plan = None
         if len(ready) > 1 and self.batches:
             try:
-                plan = plan_one_pass([c for c, _ in ready], self.model.config)
+                plan = one_pass.build([c for c, _ in ready], self.model.config)
             except Exception as exc:  # not a request's fault: every one runs alone in launch
                 plan = exc
         return Batch(prepared, plan, {"prepare_s": time.perf_counter() - t0})
@@ -208,12 +225,6 @@ class Engine:
         except Exception as exc:
             return exc
 
-    @property
-    def batches(self) -> bool:
-        """Whether run_many sweeps several requests' rows through the layers together (the fast
-        model's one-pass layout, shared-prefix mode); otherwise it runs them one after the other."""
-        return self.mode == "shared-prefix" and self.one_pass
-
     def answer(self, request: dict) -> dict:
         return self.run(request).response
 
@@ -239,7 +250,7 @@ class Engine:
         key = ("vision", tuple(grids))
         tables = None if key in self.graphs else self.vision.grid_tables(grids)
         lengths = frame_lengths(grids)
-        (features,) = self.graphs.run(key, lambda px: (self.vision.encode(px, *tables, lengths),), [pixel_values])
+        (features,) = self.graphs.run(key, lambda px: (self.vision.encode(px, *tables, lengths),), pixel_values)
         return features
 
     # ---- execute ----------------------------------------------------------------------------
@@ -252,7 +263,8 @@ class Engine:
         return [torch.cat([self._branch_logits(compiled, br, features) for br in q.branches]) for q in compiled.questions]
 
     def plan(self, compiled: CompiledRequest) -> Plan:
-        return plan_shared_prefix(compiled, self.model.config, one_pass=self.one_pass)
+        """The request's shared-prefix plan, its layout chosen by `layouts.choose` under `options.layout`."""
+        return choose(compiled, self.model.config, self.options.layout)
 
     def _branch_logits(self, compiled: CompiledRequest, br, features) -> torch.Tensor:
         """Per-branch mode: one forward of state + suffix from position 0 (batch 1), then the head."""
@@ -280,70 +292,18 @@ class Engine:
         inputs = plan.upload(self.model.device)  # one host-to-device copy of every index the requests need
         images = [f for f in features if f is not None]  # in request order, as the plan's image indices
         if images:
-            inputs.append(images[0] if len(images) == 1 else torch.cat(images))
-        layouts = {"rows": self._rows_logits, "batch": self._batch_logits, "one-pass": self._one_pass_logits}
-        forward = functools.partial(layouts[plan.kind], plan.sizes)
+            inputs = inputs._replace(features=images[0] if len(images) == 1 else torch.cat(images))
+        forward = functools.partial(LAYOUTS[plan.kind].forward, self.text, self.model.head, plan.shape)
         if self.graphs is None:
-            (logits,) = forward(*inputs)
+            (logits,) = forward(inputs)
         else:
-            (logits,) = self.graphs.run((plan.kind, *plan.sizes), forward, inputs)
+            (logits,) = self.graphs.run(plan.key, forward, inputs)
         # [K_b] per branch of every request; a bucketed plan's pad candidates follow the real ones.
         per_branch = iter(logits[: sum(plan.candidates_per_branch)].split(plan.candidates_per_branch))
         out = []
         for c in compiled:
             out.append([torch.cat([next(per_branch) for _ in q.branches]) for q in c.questions])
         return out
-
-    # The device functions of the three layouts and their pieces (capturable: no host work).
-
-    def _rows_logits(self, sizes, row_ids, rows_pos, image_index, head_index, features=None):
-        """The rows layout: every branch a whole row of state + suffix, one batched forward -> logits [C] fp32."""
-        N, L, C, _ = sizes
-        embeds = self.text.embed(row_ids)  # [N, L, H]
-        if features is not None:  # each row's copy of the image features, in order
-            flat = embeds.reshape(N * L, -1).index_copy(0, image_index, features.to(embeds.dtype).repeat(N, 1))
-            embeds = flat.view(N, L, -1)
-        return self._head_logits(self.text(embeds, rows_pos).reshape(N * L, -1), head_index, C, N)
-
-    def _batch_logits(self, sizes, state_ids, prefix_pos, suffix_ids, rows_pos, image_index, head_index, features=None):
-        """The batch layout: the prefix once, then the branches as a right-padded batch -> logits [C] fp32."""
-        P, cut, N, L, C, _ = sizes
-        embeds = self._state_embeds(state_ids, image_index, features)  # [1, P, H]
-        rows = torch.cat([embeds[:, cut:].expand(N, -1, -1), self.text.embed(suffix_ids)], dim=1)  # [N, L, H]
-        hidden = self.text(rows, rows_pos, cache=self._prefix_cache(embeds[:, :cut], prefix_pos).expand(N))
-        return self._head_logits(hidden.reshape(N * L, -1), head_index, C, N)
-
-    def _one_pass_logits(self, sizes, state_ids, suffix_ids, source, rows_pos, image_index, head_index, *layout_and_features):
-        """The one-pass layout: [prefixes | packed continuations] in one row, one sweep -> logits [C] fp32."""
-        from .fast.model import OnePass
-
-        C, N = sizes[3], sizes[5]
-        n = len(OnePass._fields)
-        layout, features = OnePass(*layout_and_features[:n]), (layout_and_features[n] if len(layout_and_features) > n else None)
-        embeds = self._state_embeds(state_ids, image_index, features)  # [1, P, H]
-        rows = torch.cat([embeds[0], self.text.embed(suffix_ids)])[source][None]  # [1, cut + T, H]
-        hidden = self.text.one_pass(rows, rows_pos, layout)
-        return self._head_logits(hidden[0], head_index, C, N)
-
-    def _state_embeds(self, state_ids: torch.Tensor, image_index: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
-        """[1, P, H]; as HF's masked_scatter, image features replace the <|image_pad|> embeddings in order."""
-        embeds = self.text.embed(state_ids)
-        if features is not None:
-            embeds = embeds.index_copy(1, image_index, features[None].to(embeds.dtype))
-        return embeds
-
-    def _prefix_cache(self, embeds: torch.Tensor, positions: torch.Tensor) -> TextCache:
-        """Run the shared prefix [1, cut, H] once; its per-layer state is what every branch continues."""
-        cache = self.text.new_cache()
-        self.text(embeds, positions, cache=cache)
-        return cache
-
-    def _head_logits(self, flat: torch.Tensor, head_index: torch.Tensor, C: int, N: int) -> tuple[torch.Tensor]:
-        """The head for every branch at once from hidden rows [R, H]: logits [C] fp32."""
-        head = self.model.head
-        c = head.candidate(flat[head_index[:C]].float())  # [C, P]
-        d = head.decision(flat[head_index[C : C + N]].float())  # [N, P]
-        return ((c * d[head_index[C + N :]]).sum(-1) / head.scale,)
 
     # ---- finish -----------------------------------------------------------------------------
 

@@ -95,7 +95,8 @@ def test_shared_prefix_bf16_reports_its_dual_check(tiny_fixture, tiny_export, co
     assert report["dual"]["bounds"]["per_option"] < 1e-3 < report["bounds"]["per_option"]
     # The fast path, eager on the CPU, in the one-pass layout the engine plans for it.
     assert report["setup"]["runtime_options"] == {"device": "cpu", "dtype": "bf16", "mode": "shared-prefix", "kernels": "fast",
-                                                  "graphs": False, "compile": False}
+                                                  "graphs": False, "compile": False, "layout": "one-pass", "delta_kernel": "torch",
+                                                  "patch_embed": "linear", "batching": True, "temperature": 1.0, "calibration": None}
     assert report["runtime"]["kernels"]["layers"] == "fused, eager" and report["runtime"]["layout"] == "one-pass"
 
 

@@ -1,4 +1,4 @@
-"""Requests shared by the engine-level tests (valen_runtime/test_engine.py, test_plan.py)."""
+"""Requests shared by the engine-level tests (valen_runtime/test_engine.py, test_layouts.py)."""
 
 from __future__ import annotations
 

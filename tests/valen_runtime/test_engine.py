@@ -157,7 +157,7 @@ def test_shared_prefix_equals_per_branch_fp32_cpu(tiny_export, short_request, lo
         per, shared = per_branch.run(request), shared_prefix.run(request)
         assert max_diff(per.logits, shared.logits) <= engine_fp32_bound(roundoff_bound, per_branch, request)
         assert per.response["usage"] == shared.response["usage"]
-    assert shared_prefix.plan(shared.compiled).sizes[1] > 0  # a prefix phase ran
+    assert shared_prefix.plan(shared.compiled).shape.cut > 0  # a prefix phase ran
 
 
 def test_an_image_state_under_one_chunk_runs_as_rows_fp32_cpu(tiny_export, short_request, roundoff_bound):
@@ -208,9 +208,9 @@ def test_fast_layouts_compute_the_reference_function_cpu(tiny_export, short_requ
 
 
 def plan_for(engine, compiled, one_pass: bool):
-    from valen_runtime.plan import plan_shared_prefix
+    from valen_runtime.layouts import choose
 
-    return plan_shared_prefix(compiled, engine.model.config, one_pass=one_pass)
+    return choose(compiled, engine.model.config, "one-pass" if one_pass else "batch")
 
 
 def one_pass_accuracy(export, request, device: str, compile: bool) -> None:
@@ -240,7 +240,7 @@ def test_pad_rows_and_head_rows_change_real_logits_by_round_off_only_cpu(tiny_ex
     kernels block the keys by sequence length (measured 1.4e-6 on a hidden state here), hence
     the round-off bound of engine_fp32_bound, not bit equality. Each request gets one extra
     question so the continuations and candidates are off the rungs."""
-    from valen_runtime.plan import plan_one_pass
+    from valen_runtime.layouts import one_pass
 
     engine = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast"))
     assert engine.one_pass
@@ -250,9 +250,9 @@ def test_pad_rows_and_head_rows_change_real_logits_by_round_off_only_cpu(tiny_ex
     for group in ([0], [2], [0, 1, 2, 3], [1, 2]):
         prepared = [engine.prepare(requests[i]) for i in group]
         compiled, features = [c for c, _ in prepared], [f for _, f in prepared]
-        padded = plan_one_pass(compiled, engine.model.config)
-        plain = plan_one_pass(compiled, engine.model.config, buckets=False)
-        assert padded.sizes != plain.sizes  # pads were added
+        padded = one_pass.build(compiled, engine.model.config)
+        plain = one_pass.build(compiled, engine.model.config, buckets=False)
+        assert padded.key != plain.key  # pads were added
         got = engine.execute_plan_many(compiled, padded, features)
         want = engine.execute_plan_many(compiled, plain, features)
         for i, a, b in zip(group, got, want):
@@ -404,9 +404,9 @@ def test_layouts_of_one_graph_key_replay_bitwise_as_run_directly(tiny_export, ba
     key; the graph captured for the first, replayed with the second's inputs (other sequence
     lengths, head rows, tokens), computes the bits the compiled layers compute run directly. This
     is what holds if no host-side value (a sequence length, a launch grid) is baked into the graph
-    beyond `Plan.sizes`."""
+    beyond `Plan.key`."""
     from valen_runtime.fast.kernels import fla_available
-    from valen_runtime.plan import plan_one_pass
+    from valen_runtime.layouts import one_pass
 
     if not fla_available():
         pytest.skip("flash-linear-attention not importable: CUDA runs the batch layout")
@@ -418,9 +418,9 @@ def test_layouts_of_one_graph_key_replay_bitwise_as_run_directly(tiny_export, ba
     for words in range(0, 60):
         group = [with_longer_question(r, words) for r in base]
         compiled = [graphed.compiler.compile(r) for r in group]
-        plan = plan_one_pass(compiled, graphed.model.config)
-        lengths = tuple(plan.parts[9].tolist())  # cu_seqlens: the real layout
-        by_key.setdefault(plan.sizes, {}).setdefault(lengths, group)
+        plan = one_pass.build(compiled, graphed.model.config)
+        lengths = tuple(plan.inputs.layout.cu_seqlens.tolist())  # the real layout
+        by_key.setdefault(plan.key, {}).setdefault(lengths, group)
     first, second = next(groups for groups in map(list, (v.values() for v in by_key.values())) if len(groups) > 1)[:2]
     run = (lambda e, g: e.run_many(g)) if grouped else (lambda e, g: [e.run(g[0])])
     run(graphed, first)  # direct

@@ -8,14 +8,19 @@ from typing import Callable
 
 import torch
 
+from ..layouts.common import leaves, rebuild, skeleton
+
 
 class GraphCache:
-    """Capture `fn(*inputs) -> tuple of tensors` per shape key on its second use, and replay it.
+    """Capture `fn(inputs) -> tuple of tensors` per shape key on its second use, and replay it.
+    `inputs`: a tensor, or a named tuple (a layout's `Inputs`) of tensors, nested tuples and None;
+    the key must fix its structure (which fields are None) as it fixes the shapes.
 
     A key's first use runs `fn` directly: a capture costs a warm-up run and the capture itself,
     each about a direct run's time (launch-bound), and a server sees many shapes only once. The
     second use warms up on a side stream and captures; later uses replay.
-    Inputs are copied into static buffers; a replay's outputs are the graph's own buffers, valid
+    Inputs are copied into static buffers (the tensors in field order; `fn` gets them rebuilt
+    into the named tuple); a replay's outputs are the graph's own buffers, valid
     until the next replay of the same key (callers use them before the next request). Each entry
     keeps `fn`, so tensors `fn` closes over (which the graph reads) live as long as the graph.
     """
@@ -32,7 +37,7 @@ class GraphCache:
     def __contains__(self, key) -> bool:
         return key in self.graphs
 
-    def run(self, key, fn: Callable, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def run(self, key, fn: Callable, inputs) -> tuple[torch.Tensor, ...]:
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)
@@ -40,17 +45,19 @@ class GraphCache:
             self.seen[key] = None
             while len(self.seen) > 4 * self.max_graphs:
                 self.seen.popitem(last=False)
-            return fn(*inputs)
+            return fn(inputs)
         else:
             del self.seen[key]
-            entry = self._capture(key, fn, inputs)
+            structure = skeleton(inputs)  # the graph keeps the structure, not these tensors
+            entry = self._capture(key, lambda *tensors: fn(rebuild(structure, iter(tensors))), list(leaves(inputs)))
         graph, static_in, static_out, _ = entry
-        for dst, src in zip(static_in, inputs):
+        for dst, src in zip(static_in, leaves(inputs)):
             dst.copy_(src, non_blocking=True)
         graph.replay()
         return static_out
 
     def _capture(self, key, fn: Callable, inputs: list[torch.Tensor]):
+        """`fn(*inputs)` on static copies of the flat tensors `inputs`, captured as the key's graph."""
         while len(self.graphs) >= self.max_graphs:  # a server sees unbounded shape variety
             self.graphs.popitem(last=False)
         static_in = [t.clone() for t in inputs]

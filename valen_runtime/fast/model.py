@@ -4,25 +4,30 @@ the modules' storage).
 
 `FastText` answers the reference `TextModel`'s calls (`embed`, `new_cache`, a forward with an
 optional `TextCache`) through the whole-layer functions of layers.py, and adds the one-pass
-layout: the state's prefix and every branch's continuation in one row, one sweep of the layers.
+layout (`layouts.one_pass`): the state's prefix and every branch's continuation in one row, one
+sweep of the layers.
 `FastVision` answers `VisionModel`'s (`grid_tables`, `encode`, a forward) with SDPA per frame,
 the patch conv as one GEMM where that computes the same numbers, and one compiled function for
-every block. `FastModel.build` picks the kernels once, from the device and dtype.
+every block. `FastModel.build` takes its kernels from resolved `EngineOptions`; nothing here picks one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..cancel import checkpoint
+from ..layouts.one_pass import OnePass, one_pass_mask
 from ..qwen35 import TextCache, TextModel, causal_mask, rms_norm
 from ..vision import VisionBlock, VisionModel, frame_lengths, grid_list, per_frame
-from .kernels import fla_available, fla_version, sdpa_vision_attention
+from .kernels import fla_version, sdpa_vision_attention
 from .layers import add, compile_layer_fns, gather_weights, make_layer_fns
+
+if TYPE_CHECKING:
+    from ..options import EngineOptions
 
 
 def _dynamic(t: torch.Tensor, *dims: int) -> None:
@@ -34,42 +39,6 @@ def _dynamic(t: torch.Tensor, *dims: int) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Text
-
-
-class OnePass(NamedTuple):
-    """Where the rows of a one-pass forward come from: the prefixes' P rows lead (one per request
-    that has one, back to back), then every branch's continuation (its state tail and suffix) of
-    every request, packed back to back (R = P + T rows). plan.packed_indices builds them."""
-
-    seq_ids: torch.Tensor  # [R] int64: the sequence of each row: continuation n >= 0, prefix of request g -1 - g
-    offsets: torch.Tensor  # [R] int64: its position within that sequence
-    conv_taps: torch.Tensor  # [K, R] int64: each row's causal-conv inputs, indices into [zeros (K-1) | row]
-    cu_seqlens: torch.Tensor  # [n + 1] int64: the continuations' boundaries, counted from the first one
-    chunk_indices: torch.Tensor  # [NT, 2] int64: (continuation, chunk) of every 64-token delta-rule chunk
-    prefix_rows: torch.Tensor  # [P]: its length is the prefixes' total
-    owners: torch.Tensor  # [R] int64: the request of each row
-    prefix_cu_seqlens: torch.Tensor  # [m + 1] int64: the m non-empty prefixes' boundaries
-    prefix_chunk_indices: torch.Tensor  # [NTp, 2] int64: (prefix, chunk) of every 64-token chunk of the prefixes
-    initial_state_index: torch.Tensor  # [n] int64: each continuation's start: 0 the zero state, i prefix i-1's final state
-    attention_rows: torch.Tensor  # [m, L] int64: each request's rows (prefix, then continuations), -1 pads to L
-    attention_slots: torch.Tensor  # [R] int64: each row's place in the flattened [m, L]
-
-
-def one_pass_mask(layout: OnePass, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive mask [m, 1, L, L] over each request's rows (`attention_rows`): a prefix row sees its
-    prefix's earlier rows; a continuation row sees its request's whole prefix and its own sequence
-    causally; a pad slot is seen by none and sees itself only (so no row is empty)."""
-    rows = layout.attention_rows
-    valid = rows >= 0
-    index = rows.clamp(min=0)
-    seq, offsets, owners = layout.seq_ids[index], layout.offsets[index], layout.owners[index]  # [m, L] each
-    same = seq[:, :, None] == seq[:, None, :]
-    causal = offsets[:, None, :] <= offsets[:, :, None]
-    in_prefix = seq < 0
-    same_request = owners[:, :, None] == owners[:, None, :]
-    seen = ((same & causal) | (same_request & in_prefix[:, None, :] & ~in_prefix[:, :, None])) & valid[:, None, :]
-    seen = seen | (torch.eye(rows.shape[1], dtype=torch.bool, device=device) & ~valid[:, :, None])
-    return torch.where(seen, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)[:, None]
 
 
 class FastText:
@@ -212,23 +181,12 @@ def compiled_vision_block():
     return run
 
 
-def patch_gemm_matches_conv(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the patch conv may run as a GEMM without changing its numbers.
-
-    Only fp32 on CUDA differs: cuDNN convolutions use TF32 unless torch.backends.cudnn.allow_tf32
-    is off (torch's default is on, and the reference keeps it), while our matmuls keep TF32 off.
-    On the H200 the GEMM left fp32 image answers up to 6e-5 from the reference (text ones within 1e-5).
-    """
-    return not (dtype == torch.float32 and device.type == "cuda" and torch.backends.cudnn.allow_tf32)
-
-
 class FastVision:
     """The vision tower with SDPA, a GEMM patch embed and compiled blocks; weights are the reference's."""
 
-    def __init__(self, vision: VisionModel, compile: bool):
+    def __init__(self, vision: VisionModel, patch_gemm: bool, compile: bool):
         self.reference = vision
-        weight = vision.patch_embed.proj.weight
-        self.patch_gemm = patch_gemm_matches_conv(weight.dtype, weight.device)
+        self.patch_gemm = patch_gemm  # the patch embed as one GEMM (EngineOptions.patch_embed == "linear")
         self.run_block = compiled_vision_block() if compile else vision_block
 
     def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
@@ -268,15 +226,15 @@ class FastModel:
     kernels: dict  # what runs where, for reports
 
     @classmethod
-    def build(cls, model, compile: bool) -> "FastModel":
-        """From a loaded model (weights.LoadedModel); several engines over one model can share the
-        result (Engine's `fast` argument). FLA's products run in TF32 for fp32 inputs, so
-        only bf16 models on CUDA take its delta rule; everything else keeps the reference rule."""
-        use_fla = model.device.type == "cuda" and model.dtype != torch.float32 and fla_available()
-        text = FastText(model.text, "fla" if use_fla else "torch", compile)
-        vision = FastVision(model.vision, compile)
+    def build(cls, model, options: "EngineOptions") -> "FastModel":
+        """From a loaded model (weights.LoadedModel) and the options it runs under (resolved:
+        delta_kernel, patch_embed, compile); several engines over one model can share the result
+        (Engine's `fast` argument)."""
+        compile = options.compile
+        text = FastText(model.text, options.delta_kernel, compile)
+        vision = FastVision(model.vision, options.patch_embed == "linear", compile)
         kernels = {
-            "gated_delta": f"fla-core {fla_version()}" if use_fla else "torch",
+            "gated_delta": f"fla-core {fla_version()}" if options.delta_kernel == "fla" else "torch",
             "attention": "sdpa",
             "projections": "fused",
             "layers": "fused, torch.compile" if compile else "fused, eager",

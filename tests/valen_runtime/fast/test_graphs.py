@@ -28,7 +28,7 @@ def test_the_second_use_captures_and_later_uses_replay_the_same_numbers():
     fn = lambda x: layer_like(x, w)  # noqa: E731
     outs = []
     for use, x in enumerate(inputs):
-        (out,) = cache.run(("layer", 37), fn, [x])
+        (out,) = cache.run(("layer", 37), fn, x)
         outs.append(out)
         assert len(cache) == (0 if use == 0 else 1), use  # nothing captured on the first use
         assert torch.equal(out, want[use]), use  # fresh inputs each use: a stale static input would show
@@ -42,10 +42,10 @@ def test_graphs_and_first_uses_stay_bounded():
     cache = GraphCache(max_graphs=2)
     for size in range(1, 6):
         for _ in range(2):
-            cache.run(size, lambda x: (x @ w,), [torch.ones(size, 8, device="cuda")])
+            cache.run(size, lambda x: (x @ w,), torch.ones(size, 8, device="cuda"))
     assert list(cache.graphs) == [4, 5]  # least recently used graphs dropped
     for size in range(100, 120):
-        cache.run(size, lambda x: (x @ w,), [torch.ones(3, 8, device="cuda")])
+        cache.run(size, lambda x: (x @ w,), torch.ones(3, 8, device="cuda"))
     assert len(cache.seen) == 4 * cache.max_graphs and 119 in cache.seen and 100 not in cache.seen
 
 
@@ -117,7 +117,7 @@ def test_the_capture_policy_first_use_direct_second_captures_then_replays_cpu(mo
 
     cache = GraphCache(max_graphs=2)
     first = torch.ones(3)
-    (out,) = cache.run("k", fn, [first])
+    (out,) = cache.run("k", fn, first)
     assert torch.equal(out, first * 2) and calls == [first] and len(cache) == 0 and "k" in cache.seen
     # The second use: fn runs on static copies (warm-up, capture); the fake replay runs it once more.
     FakeGraph.recording = {}
@@ -131,14 +131,55 @@ def test_the_capture_policy_first_use_direct_second_captures_then_replays_cpu(mo
         return entry
 
     monkeypatch.setattr(cache, "_capture", capture)
-    (out,) = cache.run("k", fn, [torch.full((3,), 5.0)])
+    (out,) = cache.run("k", fn, torch.full((3,), 5.0))
     assert torch.equal(out, torch.full((3,), 10.0)) and FakeGraph.captures == 1 and len(cache) == 1 and "k" not in cache.seen
     assert len(calls) == 1 + 2 + 1 and all(c is not first for c in calls[1:])  # warm-up, capture, replay: static inputs
-    (again,) = cache.run("k", fn, [torch.full((3,), 7.0)])
+    (again,) = cache.run("k", fn, torch.full((3,), 7.0))
     assert again is out and torch.equal(again, torch.full((3,), 14.0)) and FakeGraph.captures == 1  # a replay
     for key in ("a", "a", "b", "b"):
-        cache.run(key, fn, [torch.ones(1)])
+        cache.run(key, fn, torch.ones(1))
     assert list(cache.graphs) == ["a", "b"] and FakeGraph.captures == 3  # "k" dropped, least recently used
     for i in range(20):
-        cache.run(("once", i), fn, [torch.ones(1)])
+        cache.run(("once", i), fn, torch.ones(1))
     assert len(cache.seen) == 8 and ("once", 19) in cache.seen and ("once", 11) not in cache.seen
+
+
+def test_named_inputs_reach_fn_as_the_same_named_tuple_cpu(monkeypatch):
+    """A layout's inputs (a named tuple with a nested named tuple and a None field) go into static
+    buffers field by field and come back to `fn` as the same named tuple: direct, captured and
+    replayed uses all see fresh values in their own fields."""
+    from typing import NamedTuple
+
+    class Inner(NamedTuple):
+        a: torch.Tensor
+        b: torch.Tensor
+
+    class Inputs(NamedTuple):
+        x: torch.Tensor
+        inner: Inner
+        features: torch.Tensor | None = None
+
+    FakeCuda(monkeypatch)
+    seen = []
+
+    def fn(inputs):
+        assert type(inputs) is Inputs and type(inputs.inner) is Inner and inputs.features is None
+        seen.append(inputs)
+        return (inputs.x * 100 + inputs.inner.a * 10 + inputs.inner.b,)
+
+    cache = GraphCache(max_graphs=2)
+    real_capture = cache._capture
+
+    def capture(key, fn_, flat):
+        entry = real_capture(key, fn_, flat)
+        graph, static_in, static_out, _ = entry
+        graph.outputs = static_out
+        FakeGraph.recording = {"fn": fn_, "inputs": static_in}
+        return entry
+
+    monkeypatch.setattr(cache, "_capture", capture)
+    for use in range(4):  # direct, capture (+ its replay), replays
+        inputs = Inputs(torch.full((2,), float(use)), Inner(torch.full((2,), 1.0 + use), torch.full((2,), 2.0 + use)))
+        (out,) = cache.run("k", fn, inputs)
+        assert torch.equal(out, torch.full((2,), 100.0 * use + 10 * (1 + use) + 2 + use)), use
+    assert seen[0].x.data_ptr() != seen[-1].x.data_ptr() and len(cache) == 1  # later uses read the static copies

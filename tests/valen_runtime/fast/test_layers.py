@@ -18,10 +18,17 @@ import torch.nn.functional as F
 
 from valen_runtime.fast.layers import causal_conv_silu, causal_conv_silu_taps
 from valen_runtime.fast.model import FastModel
+from valen_runtime.layouts import packed_indices
+from valen_runtime.options import EngineOptions
 from valen_runtime.qwen35 import causal_mask
 from valen_runtime.weights import load_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def fast_options(model, compile: bool) -> EngineOptions:
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[model.dtype]
+    return EngineOptions(device=model.device.type, dtype=dtype, mode="shared-prefix", kernels="fast", compile=compile)
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +80,7 @@ def assert_layer_close(got: torch.Tensor, want: torch.Tensor, dtype: str, what: 
 def test_every_layer_matches_its_reference_module(tiny_export, lora, dtype):
     model = load_model(tiny_export[lora], dtype=dtype)
     reference = model.text
-    fast = FastModel.build(model, compile=False).text
+    fast = FastModel.build(model, fast_options(model, compile=False)).text
     for i, layer in enumerate(reference.layers):
         prefix, tails = random_rows(reference, 1, 64, seed=10 + i), random_rows(reference, 3, 21, seed=20 + i)
         caches = [reference.new_cache(), fast.new_cache()]
@@ -108,17 +115,16 @@ def test_causal_conv_continues_exactly_like_one_pass():
 
 
 def test_tap_indexed_conv_equals_one_conv_per_sequence():
-    """Prefixes and continuations packed in one row (as plan.packed_indices lays them out): the tap
+    """Prefixes and continuations packed in one row (as layouts.packed_indices lays them out): the tap
     index reads each sequence's own rows, before its start its prefix's last rows, or zeros."""
-    from valen_runtime.plan import packed_indices
-
     gen = torch.Generator().manual_seed(8)
     C, K = 6, 4
     groups = [(64, [5, 1, 70]), (0, [3, 2]), (128, [1, 9])]  # prefixed, without a prefix, prefixed again
     weight = torch.randn(C, 1, K, generator=gen)
     R = sum(cut + sum(lengths) for cut, lengths in groups)
     mixed = torch.randn(1, R, C, generator=gen)
-    _, _, taps, cu = packed_indices(groups, K)[:4]
+    index = packed_indices(groups, K)
+    taps, cu = index.conv_taps, index.cu_seqlens
     packed = causal_conv_silu_taps(mixed, weight, taps)
     zeros = torch.zeros(1, C, K - 1)
     prefix_ends, row = [], 0
@@ -147,7 +153,7 @@ def test_compiled_layers_match_the_reference_cpu(tiny_export, roundoff_bound):
     generated C++ vectorizes differently per CPU, so the bound is the stack's own fp32 round-off
     at the input (tests/conftest.py), not a number measured on one machine."""
     model = load_model(tiny_export["separate"], dtype="fp32")
-    compiled = FastModel.build(model, compile=True).text
+    compiled = FastModel.build(model, fast_options(model, compile=True)).text
     config = model.text.config
     widest = max(config.hidden_size, config.intermediate_size)
     for batch, length, seed in ((1, 64, 6), (3, 21, 7)):
@@ -167,10 +173,8 @@ def test_compiled_bf16_layers_equal_the_eager_ones_bit_for_bit(tiny_export, emul
     keeps them all in fp32 (the CPU's stand-in for what the H200's compiled layers did with it on:
     a GDN layer's conv output differed from eager in a quarter of its elements); with it, as the
     fast path compiles. Both must equal the eager layers exactly."""
-    from valen_runtime.plan import packed_indices
-
     model = load_model(tiny_export["separate"], dtype="bf16")
-    text = FastModel.build(model, compile=False).text
+    text = FastModel.build(model, fast_options(model, compile=False)).text
     fns = text.fns
     options = {"emulate_precision_casts": True} if emulate_precision_casts else {}
     compiled = type(fns)(*(torch.compile(fn, fullgraph=True, options=options) for fn in fns))
@@ -183,7 +187,8 @@ def test_compiled_bf16_layers_equal_the_eager_ones_bit_for_bit(tiny_export, emul
     K = text.config.linear_conv_kernel_dim
     row = random_rows(text, 1, 64 + 45 + 9, seed=9)  # two requests: a 64-row prefix with two continuations, one without
     index = packed_indices([(64, [20, 25]), (0, [9])], K)
-    taps, cu_seqlens, chunk_indices, prefix_rows, prefix_cu_seqlens, prefix_chunks, initial = (index[i] for i in (2, 3, 4, 5, 7, 8, 9))
+    taps, cu_seqlens, chunk_indices, prefix_rows = index.conv_taps, index.cu_seqlens, index.chunk_indices, index.prefix_rows
+    prefix_cu_seqlens, prefix_chunks, initial = index.prefix_cu_seqlens, index.prefix_chunk_indices, index.initial_state_index
     _, one_state = text._zero_history(1, row)
     calls = {
         "gdn": lambda f: f.gdn(x, conv_zero, state_zero, text.layer_weights[gdn]),

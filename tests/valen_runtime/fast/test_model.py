@@ -14,8 +14,9 @@ import shutil
 import pytest
 import torch
 
-from valen_runtime.fast.model import FastModel, OnePass, patch_gemm_matches_conv
-from valen_runtime.plan import packed_indices
+from valen_runtime.fast.model import FastModel
+from valen_runtime.layouts import packed_indices
+from valen_runtime.options import EngineOptions, patch_gemm_matches_conv
 from valen_runtime.weights import load_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -25,6 +26,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+def build_fast(model, compile: bool):
+    """The fast model as an engine with kernels="fast" on this model's device and dtype builds it."""
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[model.dtype]
+    return FastModel.build(model, EngineOptions(device=model.device.type, dtype=dtype, mode="shared-prefix", kernels="fast", compile=compile))
 
 
 def positions(batch: int, start: int, length: int, device="cpu") -> torch.Tensor:
@@ -72,7 +79,7 @@ def text_runs(text, prefix: torch.Tensor, tails: torch.Tensor) -> list[torch.Ten
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_text_matches_the_reference_one_shot_and_continued(tiny_export, lora, dtype, roundoff_bound):
     model = load_model(tiny_export[lora], dtype=dtype)
-    fast = FastModel.build(model, compile=False)
+    fast = build_fast(model, compile=False)
     assert fast.kernels["layers"] == "fused, eager" and fast.kernels["gated_delta"] == "torch"
     H = model.config.text_config.hidden_size
     prefix, tails = random_rows(H, 1, 64, seed=2), random_rows(H, 3, 21, seed=3)
@@ -93,12 +100,12 @@ def test_one_pass_equals_one_reference_forward_per_sequence(tiny_export, dtype, 
     """[prefix | three continuations] in one sweep against the reference run once per sequence on
     prefix + continuation from position 0 (chunks line up: the prefix is 64 tokens)."""
     model = load_model(tiny_export["separate"], dtype=dtype)
-    fast = FastModel.build(model, compile=False)
+    fast = build_fast(model, compile=False)
     cfg = model.config.text_config
     P, lengths = 64, [21, 5, 13]
     prefix = random_rows(cfg.hidden_size, 1, P, seed=4)
     conts = [random_rows(cfg.hidden_size, 1, n, seed=5 + n) for n in lengths]
-    layout = OnePass(*packed_indices([(P, lengths)], cfg.linear_conv_kernel_dim))
+    layout = packed_indices([(P, lengths)], cfg.linear_conv_kernel_dim)
     rows = torch.cat([prefix, *conts], dim=1)
     rows_pos = torch.cat([positions(1, 0, P)] + [positions(1, P, n) for n in lengths], dim=2)
     wdtype = model.text.embed_tokens.weight.dtype
@@ -155,10 +162,10 @@ def test_one_pass_of_several_requests_equals_one_reference_forward_per_sequence(
     against the reference run once per sequence, every row compared (the first rows of each
     continuation are where a wrong prefix state, conv history or mask would show)."""
     model = load_model(tiny_export["separate"], dtype=dtype)
-    fast = FastModel.build(model, compile=False)
+    fast = build_fast(model, compile=False)
     cfg = model.config.text_config
     rows, rows_pos = several_requests_rows(GROUPS, seed=21, hidden=cfg.hidden_size)
-    layout = OnePass(*packed_indices(GROUPS, cfg.linear_conv_kernel_dim))
+    layout = packed_indices(GROUPS, cfg.linear_conv_kernel_dim)
     got = fast.text.one_pass(rows.to(model.text.embed_tokens.weight.dtype), rows_pos, layout).float()
     want = per_sequence_of_groups(model.text, rows, GROUPS)
     if dtype == "fp32":
@@ -183,7 +190,7 @@ GRIDS = ([[1, 4, 4]], [[1, 6, 10], [2, 2, 4]], [[1, 12, 12]])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_vision_matches_the_reference(tiny_export, dtype, roundoff_bound):
     model = load_model(tiny_export["separate"], dtype=dtype)
-    fast = FastModel.build(model, compile=False)
+    fast = build_fast(model, compile=False)
     assert fast.vision.patch_gemm  # on the CPU the GEMM has the conv's products
     truth = load_model(tiny_export["separate"], dtype="fp32").vision if dtype == "bf16" else None
     for seed, grids in enumerate(GRIDS):
@@ -199,7 +206,7 @@ def test_vision_matches_the_reference(tiny_export, dtype, roundoff_bound):
 def test_patch_embed_gemm_matches_the_conv(tiny_export):
     """The Conv3d (kernel = stride) as one GEMM: the same products, summed in another order (fp32)."""
     model = load_model(tiny_export["separate"], dtype="fp32")
-    fast = FastModel.build(model, compile=False)
+    fast = build_fast(model, compile=False)
     pixels, _, _ = vision_inputs(model, [[1, 4, 6]], seed=9)
     torch.testing.assert_close(fast.vision.patch_embed(pixels), model.vision.patch_embed(pixels), rtol=1e-5, atol=1e-5)
 
@@ -209,9 +216,11 @@ def test_patch_gemm_only_where_it_computes_what_the_conv_does(monkeypatch, allow
     # cuDNN runs fp32 convolutions in TF32 unless told not to (the reference keeps torch's
     # default); our GEMMs never do. Every other combination has the conv's exact products.
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow_tf32)
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert patch_gemm_matches_conv(torch.float32, cuda) is (not allow_tf32)
-    assert patch_gemm_matches_conv(torch.bfloat16, cuda) and patch_gemm_matches_conv(torch.float32, cpu)
+    assert patch_gemm_matches_conv("fp32", "cuda") is (not allow_tf32)
+    assert patch_gemm_matches_conv("bf16", "cuda:1") and patch_gemm_matches_conv("fp32", "cpu")
+    # and it is the fast path's default (resolving options needs no GPU)
+    fast_fp32_cuda = EngineOptions(device="cuda", dtype="fp32", mode="shared-prefix", kernels="fast", compile=False, graphs=False)
+    assert fast_fp32_cuda.patch_embed == ("conv" if allow_tf32 else "linear")
 
 
 @pytest.mark.slow
@@ -221,7 +230,7 @@ def test_compiled_vision_blocks_match_the_reference_cpu(tiny_export, roundoff_bo
     kernels reorder fp32 sums only, differently per CPU, so the bound is the tower's own fp32
     round-off (tests/conftest.py: a stage per block, the MLP's reduction the widest)."""
     model = load_model(tiny_export["separate"], dtype="fp32")
-    fast = FastModel.build(model, compile=True)
+    fast = build_fast(model, compile=True)
     config = model.vision.config
     for seed, grids in enumerate(GRIDS[:2]):
         pixels, grid, _ = vision_inputs(model, grids, seed)
@@ -240,7 +249,7 @@ def test_text_matches_the_reference_cuda(tiny_export, dtype, compile, roundoff_b
     """The fast text stack on CUDA (eager, or torch.compile'd: inductor, Triton; fla-core in bf16)
     against the reference modules on CUDA: a prefix, then a batch of suffixes on its cache."""
     model = load_model(tiny_export["separate"], device="cuda", dtype=dtype)
-    fast = FastModel.build(model, compile=compile)
+    fast = build_fast(model, compile=compile)
     assert fast.kernels["layers"] == ("fused, torch.compile" if compile else "fused, eager")
     gen, H = torch.Generator().manual_seed(4), model.config.text_config.hidden_size
     prefix, tails = torch.randn(1, 64, H, generator=gen), torch.randn(3, 21, H, generator=gen)
@@ -293,7 +302,7 @@ def test_cached_continuation_is_as_accurate_as_the_reference_modules(tiny_export
     whether that reaches the probabilities.)"""
     model = load_model(tiny_export["separate"], device=device, dtype="bf16")
     compile = device == "cuda"
-    fast = FastModel.build(model, compile=compile)
+    fast = build_fast(model, compile=compile)
     assert fast.kernels["layers"] == ("fused, torch.compile" if compile else "fused, eager")
     truth = load_model(tiny_export["separate"], device=device, dtype="fp32")
     gen = torch.Generator().manual_seed(4)
@@ -314,15 +323,15 @@ def test_batch_layout_with_a_cached_prefix_is_as_accurate_as_per_branch(tiny_exp
     from parity.answers import probabilities
     from valen_runtime.engine import Engine
     from valen_runtime.options import EngineOptions
-    from valen_runtime.plan import plan_shared_prefix
+    from valen_runtime.layouts import choose
 
     export = tiny_export["separate"]
     fast = Engine.load(export, EngineOptions(device=device, dtype="bf16", mode="shared-prefix", kernels="fast"))
     per_branch = Engine.load(export, EngineOptions(device=device, dtype="bf16", mode="per-branch"))
     truth = Engine.load(export, EngineOptions(device=device, dtype="fp32", mode="per-branch"))
     compiled, features = fast.prepare(long_image_request)
-    plan = plan_shared_prefix(compiled, fast.model.config, one_pass=False)
-    assert plan.kind == "batch" and plan.sizes[1] > 0  # a cached prefix of cut > 0 tokens
+    plan = choose(compiled, fast.model.config, "batch")
+    assert plan.kind == "batch" and plan.shape.cut > 0  # a cached prefix of cut > 0 tokens
     for _ in range(2 if device == "cuda" else 1):  # on CUDA the second run replays the captured graph
         got = [probabilities(lg.float().cpu()) for lg in fast.execute_plan(compiled, plan, features)]
     probs = lambda engine: [probabilities(lg) for lg in engine.run(long_image_request).logits]  # noqa: E731

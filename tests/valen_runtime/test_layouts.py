@@ -1,6 +1,6 @@
-"""valen_runtime.plan: the shared-prefix layouts' host-side indices, checked against the compiled
+"""valen_runtime.layouts: the shared-prefix layouts' host-side inputs, checked against the compiled
 request they come from (which token and which M-RoPE position each row holds, which rows the head
-reads), without running a model."""
+reads), without running a model; `choose`; the shape ladder and its padding rules."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from valen_runtime.config import ModelConfig
-from valen_runtime.plan import CHUNK, Plan, bucket, packed_indices, plan_one_pass, plan_shared_prefix
+from valen_runtime.layouts import CHUNK, bucket, choose, one_pass, packed_indices
 from valen_runtime.positions import rope_index
 from valen_runtime.request import Compiler
 
@@ -37,14 +37,15 @@ def branch_sequences(compiled, config):
 
 def assert_head_rows_read_the_readout_tokens(plan, compiled, config, row_ids, row_pos):
     """row_ids [R] / row_pos [3, R]: what each row of the flattened hidden states holds."""
-    head = plan.parts[3 if plan.kind == "rows" else 5]
+    assert plan.candidates_per_branch == [len(br.candidate_positions) for br, _, _ in branch_sequences(compiled, config)]
+    assert_head_reads(plan.inputs.head_index, plan.shape.C, plan.shape.N, compiled, config, row_ids, row_pos)
+
+
+def assert_head_reads(head, Cb, Nb, compiled, config, row_ids, row_pos):
+    """`common.head_rows` index `head` with Cb candidates and Nb branches (pads counted) reads the
+    request's candidate and decision tokens first, each with its own branch."""
     branches = branch_sequences(compiled, config)
-    C, N = sum(plan.candidates_per_branch), len(branches)
-    Cb, Nb = (C, N)  # with pad head rows, counted in the sizes:
-    if plan.kind == "one-pass":
-        Cb, Nb = plan.sizes[3], plan.sizes[5]
-    elif plan.kind == "rows":
-        Cb, Nb = plan.sizes[2], plan.sizes[0]
+    C, N = sum(len(br.candidate_positions) for br, _, _ in branches), len(branches)
     assert len(head) == 2 * Cb + Nb
     cand, dec, owner = head[:C], head[Cb : Cb + N], head[Cb + Nb : Cb + Nb + C]
     k = 0
@@ -60,11 +61,11 @@ def assert_head_rows_read_the_readout_tokens(plan, compiled, config, row_ids, ro
 def test_batch_layout_rows(setup, long_image_request):
     compiler, config = setup
     compiled = compiler.compile(long_image_request)
-    plan = plan_shared_prefix(compiled, config, one_pass=False)
-    state_ids, prefix_pos, suffix_ids, rows_pos, image_index, _ = plan.parts
-    P, cut, N, L, C, n_img = plan.sizes
-    assert plan.kind == "batch" and cut == (P // CHUNK) * CHUNK > 0 and L % 8 == 0
-    assert n_img == sum(compiled.state.mm_token_type_ids) == len(image_index)
+    plan = choose(compiled, config, "batch")
+    inputs, (P, cut, N, L, C, n_img) = plan.inputs, plan.shape
+    state_ids, prefix_pos, suffix_ids, rows_pos = inputs.state_ids, inputs.prefix_pos, inputs.suffix_ids, inputs.rows_pos
+    assert plan.kind == "batch" and plan.key == ("batch", P, cut, N, L, C, n_img) and cut == (P // CHUNK) * CHUNK > 0 and L % 8 == 0
+    assert n_img == sum(compiled.state.mm_token_type_ids) == len(inputs.image_index) and inputs.features is None
     full_pos, _ = rope_index(compiled.state.input_ids, compiled.state.mm_token_type_ids, compiled.state.image_grid_thw,
                              config.vision_config.spatial_merge_size)
     assert torch.equal(prefix_pos[:, 0], full_pos[:, :cut])
@@ -75,15 +76,19 @@ def test_batch_layout_rows(setup, long_image_request):
 def test_one_pass_layout_rows(setup, long_image_request):
     compiler, config = setup
     compiled = compiler.compile(long_image_request)
-    plan = plan_shared_prefix(compiled, config, one_pass=True)
-    state_ids, suffix_ids, source, rows_pos, _, _, seq_ids, offsets, taps, cu_seqlens, chunk_indices, prefix_rows, *per_request = plan.parts
-    P, cut, T, C, n_img, N, n, NT, L, S, prefix_lengths = plan.sizes
+    plan = choose(compiled, config, "one-pass")
+    inputs, layout = plan.inputs, plan.inputs.layout
+    state_ids, suffix_ids, source, rows_pos = inputs.state_ids, inputs.suffix_ids, inputs.source, inputs.rows_pos
+    seq_ids, offsets, taps, cu_seqlens, chunk_indices, prefix_rows = (layout.seq_ids, layout.offsets, layout.conv_taps, layout.cu_seqlens,
+                                                                      layout.chunk_indices, layout.prefix_rows)
+    P, cut, T, C, n_img, N, n, NT, L, S, prefix_lengths = plan.shape
+    assert plan.key == ("one-pass", *plan.shape)
     seq_lengths = cu_seqlens.diff().tolist()
     branches = sum(len(q.branches) for q in compiled.questions)
     assert plan.kind == "one-pass" and cut > 0 and sum(seq_lengths) == T and prefix_lengths == (cut,)
     assert len(prefix_rows) == cut and rows_pos.shape == (3, 1, cut + T) and taps.shape[1] == cut + T and L == cut + T
     assert len(seq_lengths) == n > branches and len(chunk_indices) == NT and len(suffix_ids) == S and state_ids.shape == (1, P)
-    assert all(bucket(x) == x for x in (P, cut + T, C, N, n, NT, S))  # every size on a rung (plan.bucket)
+    assert all(bucket(x) == x for x in (P, cut + T, C, N, n, NT, S))  # every size on a rung (ladder.bucket)
     row_ids = torch.cat([state_ids[0], suffix_ids])[source].tolist()  # the token of every row
     assert row_ids[:cut] == compiled.state.input_ids[:cut] and (seq_ids[:cut] == -1).all()
     assert_head_rows_read_the_readout_tokens(plan, compiled, config, row_ids, rows_pos[:, 0])
@@ -91,7 +96,8 @@ def test_one_pass_layout_rows(setup, long_image_request):
     assert chunk_indices.tolist() == [[i, c] for i, n in enumerate(seq_lengths) for c in range(-(-n // CHUNK))]
     assert offsets[cut:].tolist() == [o for n in seq_lengths for o in range(n)]
     # One request: every row its own, one prefix, every continuation from that prefix's state.
-    owners, prefix_cu, prefix_chunks, initial, attention_rows, slots = per_request
+    owners, prefix_cu, prefix_chunks, initial, attention_rows, slots = (layout.owners, layout.prefix_cu_seqlens, layout.prefix_chunk_indices,
+                                                                        layout.initial_state_index, layout.attention_rows, layout.attention_slots)
     assert (owners == 0).all() and prefix_cu.tolist() == [0, cut] and initial.tolist() == [1] * len(seq_lengths)
     assert attention_rows.tolist() == [list(range(cut + T))] and slots.tolist() == list(range(cut + T))  # attention over the whole row
     assert prefix_chunks.tolist() == [[0, c] for c in range(cut // CHUNK)]
@@ -128,7 +134,10 @@ def test_packed_indices_for_several_requests():
     the prefixes' and continuations' boundaries and chunks, each continuation's initial state."""
     K = 4
     groups = [(64, [5, 70]), (0, [3, 1]), (128, [2])]
-    seq_ids, offsets, taps, cu, chunks, prefix_rows, owners, prefix_cu, prefix_chunks, initial, attention_rows, slots = packed_indices(groups, K)
+    layout = packed_indices(groups, K)
+    seq_ids, offsets, taps, cu, chunks, prefix_rows = layout.seq_ids, layout.offsets, layout.conv_taps, layout.cu_seqlens, layout.chunk_indices, layout.prefix_rows
+    owners, prefix_cu, prefix_chunks, initial = layout.owners, layout.prefix_cu_seqlens, layout.prefix_chunk_indices, layout.initial_state_index
+    attention_rows, slots = layout.attention_rows, layout.attention_slots
     R = 64 + 128 + 5 + 70 + 3 + 1 + 2
     assert taps.shape == (K, R) and len(prefix_rows) == 192
     assert seq_ids.tolist() == [-1] * 64 + [-3] * 128 + [0] * 5 + [1] * 70 + [2] * 3 + [3] + [4] * 2
@@ -154,13 +163,15 @@ def test_several_requests_in_one_plan(setup, long_image_request, short_request):
     compiler, config = setup
     text_long = dict(short_request, state=" ".join(["a second and much longer account of the same order"] * 9))
     requests = [compiler.compile(r) for r in (long_image_request, short_request, text_long)]
-    plan = plan_one_pass(requests, config)
-    state_ids, suffix_ids, source, rows_pos, image_index, head, *layout = plan.parts
-    P, cut, T, C, n_img, N, n, NT, L, S, prefix_lengths = plan.sizes
+    plan = one_pass.build(requests, config)
+    inputs = plan.inputs
+    state_ids, suffix_ids, source, rows_pos, image_index, head = (inputs.state_ids, inputs.suffix_ids, inputs.source, inputs.rows_pos,
+                                                                  inputs.image_index, inputs.head_index)
+    P, cut, T, C, n_img, N, n, NT, L, S, prefix_lengths = plan.shape
     cuts = [(len(c.state.input_ids) // CHUNK) * CHUNK for c in requests]
     assert prefix_lengths == (cuts[0], 0, cuts[2]) and cuts[0] > 0 and cuts[2] > 0 and cut == cuts[0] + cuts[2]
-    assert P == bucket(sum(len(c.state.input_ids) for c in requests)) and layout[3].tolist()[-1] == T and bucket(cut + T) == cut + T
-    assert layout[-2].shape == (3, L) and L == bucket(L)  # attention rows per request
+    assert P == bucket(sum(len(c.state.input_ids) for c in requests)) and inputs.layout.cu_seqlens.tolist()[-1] == T and bucket(cut + T) == cut + T
+    assert inputs.layout.attention_rows.shape == (3, L) and L == bucket(L)  # attention rows per request
     assert plan.branches_per_request == [sum(len(q.branches) for q in c.questions) for c in requests]
     types = [t for c in requests for t in c.state.mm_token_type_ids]  # image features land on the image tokens of [all states]
     assert n_img == len(image_index) > 0 and image_index.tolist() == [i for i, t in enumerate(types) if t == 1]
@@ -171,8 +182,7 @@ def test_several_requests_in_one_plan(setup, long_image_request, short_request):
         n_cand = sum(len(br.candidate_positions) for q in compiled.questions for br in q.branches)
         own = torch.cat([head[k_cand : k_cand + n_cand], head[C + k_branch : C + k_branch + n_branches],
                          head[C + N + k_cand : C + N + k_cand + n_cand] - k_branch])
-        sub = Plan("batch", [None] * 5 + [own], (None, 0), [len(br.candidate_positions) for q in compiled.questions for br in q.branches], [n_branches])
-        assert_head_rows_read_the_readout_tokens(sub, compiled, config, row_ids, rows_pos[:, 0])
+        assert_head_reads(own, n_cand, n_branches, compiled, config, row_ids, rows_pos[:, 0])
         k_cand, k_branch = k_cand + n_cand, k_branch + n_branches
     # The prefixes lead, each its own request's first `cut` tokens and positions.
     row = 0
@@ -183,8 +193,8 @@ def test_several_requests_in_one_plan(setup, long_image_request, short_request):
         row += c
 
 
-@pytest.mark.parametrize("one_pass", [True, False])
-def test_a_state_under_one_chunk_runs_as_rows(setup, short_request, one_pass):
+@pytest.mark.parametrize("prefix_layout", ["one-pass", "batch"])
+def test_a_state_under_one_chunk_runs_as_rows(setup, short_request, prefix_layout):
     """Nothing to share: every branch one row of state + suffix (pads after), rows, length and
     candidates on rungs, pad branches the state again; an image's tokens indexed in every row."""
     from .conftest import png_data_url
@@ -197,22 +207,32 @@ def test_a_state_under_one_chunk_runs_as_rows(setup, short_request, one_pass):
         compiled = by.compile(request)
         P = len(compiled.state.input_ids)
         assert P < CHUNK and (sum(compiled.state.mm_token_type_ids) > 0) == bool(image)
-        plan = plan_shared_prefix(compiled, config, one_pass=one_pass)
-        row_ids, rows_pos, image_index, _ = plan.parts
-        N, L, C, n_img = plan.sizes
+        plan = choose(compiled, config, prefix_layout)
+        row_ids, rows_pos, image_index = plan.inputs.row_ids, plan.inputs.rows_pos, plan.inputs.image_index
+        N, L, C, n_img = plan.shape
         branches = sum(len(q.branches) for q in compiled.questions)
-        assert plan.kind == "rows" and L % 32 == 0 and bucket(L // 32) == L // 32 and N == bucket(branches) and C == bucket(C)
+        assert plan.kind == "rows" and plan.key == ("rows", N, L, C, n_img) and L % 32 == 0 and bucket(L // 32) == L // 32 and N == bucket(branches) and C == bucket(C)
         assert row_ids.shape == (N, L) and rows_pos.shape == (3, N, L) and n_img == sum(compiled.state.mm_token_type_ids)
         assert (row_ids[:, :P] == torch.tensor(compiled.state.input_ids)).all()  # pad branches hold the state too
         assert image_index.tolist() == [k * L + i for k in range(N) for i, t in enumerate(compiled.state.mm_token_type_ids) if t == 1]
         assert_head_rows_read_the_readout_tokens(plan, compiled, config, row_ids.reshape(-1).tolist(), rows_pos.reshape(3, -1))
 
 
-def test_upload_returns_the_parts_in_order(setup, long_image_request):
+@pytest.mark.parametrize("prefix_layout", ["one-pass", "batch"])
+def test_upload_returns_the_named_inputs(setup, long_image_request, short_request, prefix_layout):
+    from valen_runtime.layouts.common import leaves
+
     compiler, config = setup
-    plan = plan_shared_prefix(compiler.compile(long_image_request), config, one_pass=True)
-    for got, want in zip(plan.upload(torch.device("cpu")), plan.parts):
-        assert torch.equal(got, want) and got.shape == want.shape
+    for request in (long_image_request, short_request):
+        plan = choose(compiler.compile(request), config, prefix_layout)
+        got = plan.upload(torch.device("cpu"))
+        assert type(got) is type(plan.inputs) and got.features is None
+        if plan.kind == "one-pass":
+            assert type(got.layout) is type(plan.inputs.layout)
+        pairs = list(zip(leaves(got), leaves(plan.inputs)))
+        assert len(pairs) == len(list(leaves(plan.inputs))) > 0
+        for g, w in pairs:
+            assert torch.equal(g, w) and g.shape == w.shape
 
 
 # ---- shape buckets ---------------------------------------------------------------------------
@@ -220,7 +240,7 @@ def test_upload_returns_the_parts_in_order(setup, long_image_request):
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from valen_runtime.plan import pad_head_rows, pad_sequences  # noqa: E402
+from valen_runtime.layouts import pad_head_rows, pad_sequences  # noqa: E402
 
 
 def test_the_ladder_has_eight_rungs_per_doubling():
@@ -296,14 +316,14 @@ def test_bucketed_plans_read_every_real_row_as_the_unbucketed_plan(setup, long_i
     base = {"image": long_image_request, "short": short_request,
             "text": dict(short_request, state=" ".join(["an account of the order and its two charges"] * 7))}
     compiled = [compiler.compile(variant(base[kind], words, extra)) for kind, words, extra in shapes]
-    padded, plain = plan_one_pass(compiled, config), plan_one_pass(compiled, config, buckets=False)
-    P, cut, T, C, n_img, N, n, NT, L, S, prefixes = padded.sizes
-    assert all(bucket(x) == x for x in (P, cut + T, C, N, n, NT, S)) and (cut, n_img, prefixes) == (plain.sizes[1], plain.sizes[4], plain.sizes[-1])
+    padded, plain = one_pass.build(compiled, config), one_pass.build(compiled, config, buckets=False)
+    P, cut, T, C, n_img, N, n, NT, L, S, prefixes = padded.shape
+    assert all(bucket(x) == x for x in (P, cut + T, C, N, n, NT, S)) and (cut, n_img, prefixes) == (plain.shape.cut, plain.shape.n_img, plain.shape.prefixes)
     assert L == (bucket(L) if len(compiled) > 1 else cut + T)  # alone, attention runs over the whole row
 
     def rows(plan):  # per row: (token, positions, sequence, offset)
-        state_ids, suffix_ids, source, rows_pos, _, _, seq_ids, offsets = plan.parts[:8]
-        return torch.cat([state_ids[0], suffix_ids])[source], rows_pos[:, 0], seq_ids, offsets
+        x = plan.inputs
+        return torch.cat([x.state_ids[0], x.suffix_ids])[x.source], x.rows_pos[:, 0], x.layout.seq_ids, x.layout.offsets
 
     tokens, positions, seqs, offsets = rows(padded)
     want_tokens, want_positions, want_seqs, want_offsets = rows(plain)
@@ -316,13 +336,13 @@ def test_bucketed_plans_read_every_real_row_as_the_unbucketed_plan(setup, long_i
     assert torch.equal(real_rows, plain_real)  # pads only after every real row
     # The head reads the same rows; its pad entries follow the real ones.
     C_real, N_real = sum(plain.candidates_per_branch), n_real
-    head, want = padded.parts[5], plain.parts[5]
+    head, want = padded.inputs.head_index, plain.inputs.head_index
     assert torch.equal(head[:C_real], want[:C_real]) and torch.equal(head[C : C + N_real], want[C_real : C_real + N_real])
     assert torch.equal(head[C + N : C + N + C_real], want[C_real + N_real :])
     # Attention: no real row sees a pad row (its mask row is -inf at every pad column).
-    from valen_runtime.fast.model import OnePass, one_pass_mask
+    from valen_runtime.layouts.one_pass import one_pass_mask
 
-    layout = OnePass(*padded.parts[6:])
+    layout = padded.inputs.layout
     mask = one_pass_mask(layout, torch.float32, torch.device("cpu"))[:, 0]  # [m, L, L]
     attention_rows = layout.attention_rows
     pad_slot = (attention_rows < 0) | ~is_real[attention_rows.clamp(min=0)]

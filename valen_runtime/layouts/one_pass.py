@@ -1,0 +1,251 @@
+"""The one-pass layout (the fast model's, `FastText.one_pass`): the prefixes' rows followed by
+every branch's continuation packed back to back in one row, so the layers are swept once.
+
+Several requests can share one sweep: their prefixes lead, then all their continuations, each
+continuing its own request's prefix. A request's prefix is its state's chunk-aligned part (cut, a
+multiple of 64); its branches continue from it with the state tail and their suffix. Alone, a
+request runs this layout when its prefix holds at least K-1 rows (a whole conv history; `choose`);
+a state under 64 tokens has none and runs as rows alone, but beside other requests it joins their
+sweep, its branches running state + suffix from a zero state. Rows take their embedding from
+[all states | all suffixes].
+
+Padding (`ladder`): every size but the prefixes and image tokens on a rung of `bucket`, so
+requests whose questions differ a little share one shape (one CUDA graph): pad sequences
+(`pad_sequences`) continue the last request and are read by no real row, pad head rows
+(`pad_head_rows`) answer logits the engine drops, the token tables grow by entries no row reads,
+and with several requests each request's attention block is on a rung. Without buckets, one pad
+sequence rounds the packed rows up to a multiple of 8.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from ..request import CompiledRequest
+from .common import CHUNK, Plan, branches_of, head_logits, head_rows, image_index, state_embeds, state_positions
+from .ladder import bucket, pad_head_rows, pad_sequences
+
+name = "one-pass"
+
+
+class OnePass(NamedTuple):
+    """Where the rows of a one-pass forward come from: the prefixes' P rows lead (one per request
+    that has one, back to back), then every branch's continuation (its state tail and suffix) of
+    every request, packed back to back (R = P + T rows). `packed_indices` builds them."""
+
+    seq_ids: torch.Tensor  # [R] int64: the sequence of each row: continuation n >= 0, prefix of request g -1 - g
+    offsets: torch.Tensor  # [R] int64: its position within that sequence
+    conv_taps: torch.Tensor  # [K, R] int64: each row's causal-conv inputs, indices into [zeros (K-1) | row]
+    cu_seqlens: torch.Tensor  # [n + 1] int64: the continuations' boundaries, counted from the first one
+    chunk_indices: torch.Tensor  # [NT, 2] int64: (continuation, chunk) of every 64-token delta-rule chunk
+    prefix_rows: torch.Tensor  # [P]: its length is the prefixes' total
+    owners: torch.Tensor  # [R] int64: the request of each row
+    prefix_cu_seqlens: torch.Tensor  # [m + 1] int64: the m non-empty prefixes' boundaries
+    prefix_chunk_indices: torch.Tensor  # [NTp, 2] int64: (prefix, chunk) of every 64-token chunk of the prefixes
+    initial_state_index: torch.Tensor  # [n] int64: each continuation's start: 0 the zero state, i prefix i-1's final state
+    attention_rows: torch.Tensor  # [m, L] int64: each request's rows (prefix, then continuations), -1 pads to L
+    attention_slots: torch.Tensor  # [R] int64: each row's place in the flattened [m, L]
+
+
+class Inputs(NamedTuple):
+    state_ids: torch.Tensor  # [1, P]: every request's state, back to back, then pads
+    suffix_ids: torch.Tensor  # [S]: every branch's suffix, then the pad sequences' tokens and pads
+    source: torch.Tensor  # [cut + T]: each row's token, an index into [state_ids | suffix_ids]
+    rows_pos: torch.Tensor  # [3, 1, cut + T]: M-RoPE positions of every row
+    image_index: torch.Tensor  # [n_img]: the image tokens, into the states
+    head_index: torch.Tensor  # [C + N + C]: `common.head_rows` into the rows, padded
+    layout: OnePass  # the rows' sequences, conv taps, delta-rule chunks and attention blocks
+    features: torch.Tensor | None = None  # [n_img, H]: the vision tower's output (on the device)
+
+
+class Shape(NamedTuple):
+    """The graph key: every tensor's shape, and each launch grid (FLA's varlen kernels' grids depend
+    on the sequence and chunk counts), follows from these; no per-sequence length is in it."""
+
+    P: int  # state tokens, all requests (the state table's length)
+    cut: int  # prefix rows, all requests
+    T: int  # continuation rows (pad sequences included)
+    C: int  # candidates, with pad candidates (the real ones: sum(candidates_per_branch))
+    n_img: int  # image tokens
+    N: int  # branches, with pad branches
+    n: int  # continuation sequences (pad sequences included)
+    NT: int  # 64-token chunks of the continuations
+    L: int  # attention rows per request
+    S: int  # the suffix table's length
+    prefixes: tuple  # each request's prefix rows
+
+
+def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = True) -> Plan:
+    """The one-pass plan for one or several requests, swept through the layers together:
+    [each request's prefix, back to back | every branch's continuation of every request, packed |
+    pad sequences]. buckets: pad to the ladder (the module's docstring); off, no rung padding."""
+    K = config.text_config.linear_conv_kernel_dim
+    state_ids, suffix_ids, images = [], [], []
+    prefix_sources, prefix_pos, cont_sources, cont_pos = [], [], [], []
+    groups, branch_lists, cand_counts, branch_counts = [], [], [], []
+    state_offset = 0
+    for compiled in requests:
+        st = compiled.state
+        P = len(st.input_ids)
+        cut = (P // CHUNK) * CHUNK
+        cut = cut if cut >= K - 1 else 0
+        positions, next_pos = state_positions(compiled, config)
+        branches = branches_of(compiled)
+        prefix_sources.append(torch.arange(state_offset, state_offset + cut))
+        prefix_pos.append(positions[:, :cut])
+        lengths = []
+        for br in branches:
+            n = len(br.suffix_ids)
+            lengths.append(P - cut + n)
+            # suffix tokens are numbered from 0 here and shifted past all states below
+            cont_sources += [torch.arange(state_offset + cut, state_offset + P), -1 - torch.arange(len(suffix_ids), len(suffix_ids) + n)]
+            cont_pos += [positions[:, cut:], torch.arange(next_pos, next_pos + n).view(1, -1).expand(3, -1)]
+            suffix_ids += br.suffix_ids
+        groups.append((cut, lengths))
+        branch_lists.append(branches)
+        cand_counts += [len(br.candidate_positions) for br in branches]
+        branch_counts.append(len(branches))
+        state_ids += st.input_ids
+        images.append(image_index(compiled) + state_offset)
+        state_offset += P
+    pad_id = requests[-1].questions[0].branches[0].suffix_ids[-1]
+    real_lengths = [n for _, lengths in groups for n in lengths]
+    if buckets:
+        pads = pad_sequences(real_lengths, prefix_rows=sum(cut for cut, _ in groups))
+    else:
+        pads = [-sum(real_lengths) % 8] if sum(real_lengths) % 8 else []
+    # The pad sequences continue the last request (its attention rows, its prefix's state); their
+    # rows read pad tokens placed after the suffixes, at positions from 0 (any valid ones).
+    groups[-1] = (groups[-1][0], groups[-1][1] + pads)
+    for pad in pads:
+        cont_sources.append(-1 - torch.arange(len(suffix_ids), len(suffix_ids) + pad))
+        cont_pos.append(torch.arange(0, pad).view(1, -1).expand(3, -1))
+        suffix_ids += [pad_id] * pad
+    if buckets:  # token tables on rungs too: the extra entries are read by no row
+        state_ids += [pad_id] * (bucket(len(state_ids)) - len(state_ids))
+        suffix_ids += [pad_id] * (bucket(len(suffix_ids)) - len(suffix_ids))
+    # Suffix token i sits at n_state + i of [states | suffixes]; it was written as -1 - i above.
+    n_state, total_cut = len(state_ids), sum(cut for cut, _ in groups)
+    cont = torch.cat(cont_sources)
+    source = torch.cat(prefix_sources + [torch.where(cont < 0, n_state - 1 - cont, cont)])  # [total_cut + T]
+    rows_pos = torch.cat(prefix_pos + cont_pos, dim=1)[:, None, :]  # [3, 1, total_cut + T]
+    # Head rows: each branch's first row (absolute position = its request's cut) in the packed part.
+    starts, firsts, k = [], [], total_cut
+    for (cut, lengths), branches in zip(groups, branch_lists):
+        for n in lengths[: len(branches)]:
+            starts.append(k)
+            firsts.append(cut)
+            k += n
+    all_branches = [br for branches in branch_lists for br in branches]
+    head_index, C = head_rows(all_branches, starts, firsts)
+    N = len(all_branches)
+    if buckets:
+        head_index, C, N = pad_head_rows(head_index, C, N)
+    images = torch.cat(images)
+    cont_lengths = [n for _, lengths in groups for n in lengths]
+    # Attention runs per request over L rows when there are several (fast.layers); alone, over the row.
+    L = max(cut + sum(lengths) for cut, lengths in groups)
+    attention_length = bucket(L) if buckets and len(groups) > 1 else L
+    layout = packed_indices(groups, K, attention_length=attention_length)
+    shape = Shape(n_state, total_cut, sum(cont_lengths), C, len(images), N, len(cont_lengths), len(layout.chunk_indices), attention_length,
+                  len(suffix_ids), tuple(cut for cut, _ in groups))
+    inputs = Inputs(torch.tensor([state_ids]), torch.tensor(suffix_ids, dtype=torch.int64), source, rows_pos, images, head_index, layout)
+    return Plan(name, inputs, shape, cand_counts, branch_counts)
+
+
+def packed_indices(groups: list[tuple[int, list[int]]], K: int, attention_length: int | None = None) -> OnePass:
+    """The one-pass rows' indices (int64) for groups (prefix rows, continuation lengths): the
+    prefixes lead back to back, then every group's continuations in group order; a prefix of 0 rows
+    means its continuations start from zero history. K: conv taps; attention_length: L of
+    `attention_rows` [m, L], at least the longest group's rows (the default)."""
+    assert all(cut == 0 or cut >= K - 1 for cut, _ in groups), "a prefix must hold a whole conv history"
+    # Every sequence once, in row order: (length, sequence id, owner, where its history ends).
+    # Prefix g is sequence -1 - g and reads zeros before its start; continuation n is sequence n
+    # and reads the last rows of its group's prefix (zeros without one: a history end of 0).
+    sequences, prefix_ends, row = [], [], 0
+    for g, (cut, _) in enumerate(groups):
+        sequences.append((cut, -1 - g, g, 0))
+        row += cut
+        prefix_ends.append(row)
+    total_cut, n = row, 0
+    initial_state_index, prefix_number = [], 0
+    for g, (cut, lengths) in enumerate(groups):
+        prefix_number += bool(cut)
+        for length in lengths:
+            sequences.append((length, n, g, prefix_ends[g] if cut else 0))
+            initial_state_index.append(prefix_number if cut else 0)
+            n += 1
+    # Per row, each sequence's fields repeated over its rows (numpy: a few microseconds where
+    # Python lists or torch.repeat_interleave take a millisecond at these sizes).
+    table = np.array(sequences, dtype=np.int64).reshape(-1, 4)  # [sequences, (length, id, owner, history end)]
+    lengths = table[:, 0]
+    R = int(lengths.sum())
+    offsets = torch.from_numpy(np.arange(R) - np.repeat(np.cumsum(lengths) - lengths, lengths))  # [R]
+    seq_ids, owners, history = (torch.from_numpy(np.repeat(table[:, i], lengths)) for i in (1, 2, 3))
+    # Tap j of row t reads [zeros (K-1) | rows] at t + j: its own rows, or before its start the
+    # history's last rows (offset + j < K - 1 lands below the history's end, or in the zeros).
+    rows = torch.arange(R)
+    taps = torch.stack([torch.where(offsets + j >= K - 1, rows + j, history + offsets + j) for j in range(K)])  # [K, R]
+    cont_lengths = [length for _, lengths in groups for length in lengths]
+    prefix_lengths = [cut for cut, _ in groups if cut]
+    # Attention per request: its rows in order (prefix, then continuations), padded with -1 to the
+    # longest request's count L; slots: where each row lands in the flattened [m, L].
+    per_group = [torch.nonzero(owners == g).view(-1) for g in range(len(groups))]
+    L = max(len(r) for r in per_group)
+    assert attention_length is None or attention_length >= L, (attention_length, L)
+    L = attention_length or L
+    attention_rows = torch.stack([torch.cat([r, torch.full((L - len(r),), -1)]) for r in per_group])  # [m, L]
+    slots = torch.empty(R, dtype=torch.int64)
+    for g, r in enumerate(per_group):
+        slots[r] = g * L + torch.arange(len(r))
+    return OnePass(
+        seq_ids=seq_ids, offsets=offsets, conv_taps=taps, cu_seqlens=_cu_seqlens(cont_lengths), chunk_indices=_chunk_indices(cont_lengths),
+        prefix_rows=torch.arange(total_cut), owners=owners, prefix_cu_seqlens=_cu_seqlens(prefix_lengths),
+        prefix_chunk_indices=_chunk_indices(prefix_lengths), initial_state_index=torch.tensor(initial_state_index, dtype=torch.int64),
+        attention_rows=attention_rows, attention_slots=slots,
+    )
+
+
+def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int64)
+
+
+def _chunk_indices(lengths: list[int]) -> torch.Tensor:
+    """(sequence, chunk) of every 64-token delta-rule chunk, as FLA's varlen kernels take them: [NT, 2]."""
+    chunks = -(-np.array(lengths, dtype=np.int64) // CHUNK)
+    first = np.repeat(np.cumsum(chunks) - chunks, chunks)
+    return torch.from_numpy(np.stack([np.repeat(np.arange(len(chunks)), chunks), np.arange(int(chunks.sum())) - first], axis=1))
+
+
+# ---- on the device (capturable: no host work)
+
+
+def forward(text, head, shape: Shape, inputs: Inputs) -> tuple[torch.Tensor]:
+    """[prefixes | packed continuations] in one row through the fast model's `one_pass` sweep ->
+    (logits [C] fp32,)."""
+    embeds = state_embeds(text, inputs.state_ids, inputs.image_index, inputs.features)  # [1, P, H]
+    rows = torch.cat([embeds[0], text.embed(inputs.suffix_ids)])[inputs.source][None]  # [1, cut + T, H]
+    hidden = text.one_pass(rows, inputs.rows_pos, inputs.layout)
+    return head_logits(head, hidden[0], inputs.head_index, shape.C, shape.N)
+
+
+def one_pass_mask(layout: OnePass, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [m, 1, L, L] over each request's rows (`attention_rows`): a prefix row sees its
+    prefix's earlier rows; a continuation row sees its request's whole prefix and its own sequence
+    causally; a pad slot is seen by none and sees itself only (so no row is empty)."""
+    rows = layout.attention_rows
+    valid = rows >= 0
+    index = rows.clamp(min=0)
+    seq, offsets, owners = layout.seq_ids[index], layout.offsets[index], layout.owners[index]  # [m, L] each
+    same = seq[:, :, None] == seq[:, None, :]
+    causal = offsets[:, None, :] <= offsets[:, :, None]
+    in_prefix = seq < 0
+    same_request = owners[:, :, None] == owners[:, None, :]
+    seen = ((same & causal) | (same_request & in_prefix[:, None, :] & ~in_prefix[:, :, None])) & valid[:, None, :]
+    seen = seen | (torch.eye(rows.shape[1], dtype=torch.bool, device=device) & ~valid[:, :, None])
+    return torch.where(seen, torch.zeros((), dtype=dtype, device=device), torch.finfo(dtype).min)[:, None]

@@ -1,0 +1,70 @@
+"""The rows layout: a state under one chunk (64 tokens) has no chunk-aligned prefix to share, so
+every branch is one row of state + suffix, built on the host, and all rows run as one batch from
+position 0. The state's length is therefore no shape. Runs on the reference modules and on the
+fast model.
+
+Padding: right padding is exact for the real tokens (every layer is causal, so a pad token never
+influences an earlier position). The branch count N is on a rung of the ladder (pad branches are
+the state and pad tokens), the row length L on multiples of 32 on its rungs, candidates and
+decisions padded as `ladder.pad_head_rows`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..config import ModelConfig
+from ..request import CompiledRequest
+from .common import Plan, branches_of, head_logits, head_rows, image_index, state_positions
+from .ladder import bucket, pad_head_rows
+
+name = "rows"
+
+
+class Inputs(NamedTuple):
+    row_ids: torch.Tensor  # [N, L]: state, suffix, pads
+    rows_pos: torch.Tensor  # [3, N, L]: M-RoPE positions of every row
+    image_index: torch.Tensor  # [N * n_img]: the image tokens of every row, into the flattened [N * L]
+    head_index: torch.Tensor  # [C + N + C]: `common.head_rows`, padded
+    features: torch.Tensor | None = None  # [n_img, H]: the vision tower's output (on the device)
+
+
+class Shape(NamedTuple):
+    N: int  # rows (branches, with pad branches)
+    L: int  # row length
+    C: int  # candidates, with pad candidates
+    n_img: int  # image tokens of one row
+
+
+def build(compiled: CompiledRequest, config: ModelConfig) -> Plan:
+    st = compiled.state
+    branches = branches_of(compiled)
+    positions, next_pos = state_positions(compiled, config)
+    P = len(st.input_ids)
+    N = bucket(len(branches))
+    L = 32 * bucket(-(-(P + max(len(br.suffix_ids) for br in branches)) // 32))
+    pad_id = branches[0].suffix_ids[-1]
+    suffixes = [br.suffix_ids for br in branches] + [[]] * (N - len(branches))
+    row_ids = torch.tensor([st.input_ids + s + [pad_id] * (L - P - len(s)) for s in suffixes])  # [N, L]
+    rows_pos = torch.cat([positions[:, None, :].expand(3, N, -1), torch.arange(next_pos, next_pos + L - P).view(1, 1, -1).expand(3, N, -1)],
+                         dim=2)  # [3, N, L]
+    images = (image_index(compiled)[None, :] + L * torch.arange(N)[:, None]).reshape(-1)  # every row's copy [N * n_img]
+    head_index, C = head_rows(branches, [k * L for k in range(len(branches))], [0] * len(branches))
+    head_index, C, N_head = pad_head_rows(head_index, C, len(branches))
+    assert N_head == N
+    return Plan(name, Inputs(row_ids, rows_pos, images, head_index), Shape(N, L, C, len(images) // N),
+                [len(br.candidate_positions) for br in branches], [len(branches)])
+
+
+def forward(text, head, shape: Shape, inputs: Inputs) -> tuple[torch.Tensor]:
+    """Every row in one batched forward of `text` (the reference `TextModel` or the fast model's)
+    -> (logits [C] fp32,)."""
+    N, L, C = shape.N, shape.L, shape.C
+    embeds = text.embed(inputs.row_ids)  # [N, L, H]
+    if inputs.features is not None:  # each row's copy of the image features, in order
+        flat = embeds.reshape(N * L, -1).index_copy(0, inputs.image_index, inputs.features.to(embeds.dtype).repeat(N, 1))
+        embeds = flat.view(N, L, -1)
+    return head_logits(head, text(embeds, inputs.rows_pos).reshape(N * L, -1), inputs.head_index, C, N)
+
