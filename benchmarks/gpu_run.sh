@@ -137,6 +137,7 @@ if [[ " $STEPS " == *" tests "* ]]; then
   # first so its longest test (a worker's whole CUDA warmup) starts at once and the rest fill around it.
   timeout $(cap ${TESTS_TIMEOUT:-480}) python3 -m pytest -q -p no:cacheprovider -m gpu -n ${TEST_WORKERS:-4} --durations=30 \
     tests/valen_runtime/test_serve.py tests/valen_runtime/fast tests/valen_runtime/test_engine.py tests/valen_runtime/test_image.py \
+    tests/valen_runtime/test_cancel.py \
     ${TESTS_ARGS:-} > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests: exit $? in $SECONDS s"; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -3
 fi
