@@ -194,6 +194,9 @@ def main(export, checkpoint, base, case, generated, seed, device, dtype, mode, k
          valen_source, tolerances_path, threads, fp64, reference_cache, reference_shards):
     """Compare the runtime on EXPORT with the Valen reference rebuilt from CHECKPOINT + BASE, and both with the truth.
 
+    The engine options are valen-run's and valen-serve's, with their defaults; they set the runtime
+    side, and --device is the reference's device too (the reference is always per-branch).
+
     \b
     Example:
       valen-parity --export build/export --checkpoint ckpt --base qwen --generated ci --report r.json
