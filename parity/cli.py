@@ -15,6 +15,8 @@ from pathlib import Path
 
 import click
 
+from valen_runtime.cli_options import engine_options, threads_option
+
 from . import cases as cases_mod
 from . import generator, harness, runtime_adapter, tolerances
 from .errors import UsageProblem
@@ -178,33 +180,31 @@ def collect_requests(case: str | None, generated: str | None, seed: int, request
 @click.option("--case", type=click.Choice(list(cases_mod.CASE_NAMES) + ["all"]), default=None, help="Built-in cases to run.")
 @click.option("--generated", type=click.Choice(sorted(generator.SETS)), default=None, help="A generated request set: ci (40 questions) or gpu (210).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated set.")
+@engine_options
 @click.option("--requests", "requests_file", type=click.Path(path_type=Path), default=None, help="JSONL file, one wire request per line.")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda (both sides).")
-@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
-@click.option("--mode", type=click.Choice(["per-branch", "shared-prefix"]), default=None, help="Runtime execution mode (default: shared-prefix on CUDA, the runtime's default there; per-branch on the CPU). The reference is always per-branch.")
 @click.option("--pins", type=click.Path(path_type=Path), default=None, help="Pins file: checkpoint.pt sha256 and base revision must match it.")
 @click.option("--report", "report_path", type=click.Path(path_type=Path), default=None, help="Write the JSON report here.")
 @click.option("--valen-source", type=click.Path(path_type=str), default=None, help="A Liuziyu77/Valen checkout at the pinned commit: use its own builder, loader and compiler as the reference.")
 @click.option("--tolerances", "tolerances_path", type=click.Path(path_type=Path), default=tolerances.DEFAULT_PATH, show_default=True, help="Declared gates.")
-@click.option("--threads", type=int, default=None, help="torch threads on both sides (default: torch's default).")
-@click.option("--kernels", type=click.Choice(runtime_adapter.KERNELS), default=None, help="Runtime kernels: the reference modules (torch) or the fast path (default: the engine's choice: fast for CUDA shared-prefix, else torch).")
-@click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=None, help="Runtime CUDA-graph replay (default: the engine's choice: on for CUDA shared-prefix).")
+@threads_option("torch threads on both sides (default: torch's, one per core).")
 @click.option("--fp64/--no-fp64", default=None, help="Also run the reference in fp64 as the truth of fp32 runs (default: on for the CPU; memory: twice the fp32 reference).")
 @click.option("--reference-cache", type=click.Path(path_type=Path), default=None, help="Reuse reference results across runs (keyed by checkpoint/base/requests/dtype/device hashes).")
 @click.option("--reference-shards", type=int, default=1, show_default=True, help="Reference processes per dtype (they share the device).")
-def main(export, checkpoint, base, case, generated, seed, requests_file, device, dtype, mode, pins, report_path, valen_source, tolerances_path,
-         threads, kernels, graphs, fp64, reference_cache, reference_shards):
+def main(export, checkpoint, base, case, generated, seed, device, dtype, mode, kernels, graphs, compile_, requests_file, pins, report_path,
+         valen_source, tolerances_path, threads, fp64, reference_cache, reference_shards):
     """Compare the runtime on EXPORT with the Valen reference rebuilt from CHECKPOINT + BASE, and both with the truth.
+
+    The engine options are valen-run's and valen-serve's, with their defaults; they set the runtime
+    side, and --device is the reference's device too (the reference is always per-branch).
 
     \b
     Example:
       valen-parity --export build/export --checkpoint ckpt --base qwen --generated ci --report r.json
     """
     try:
-        if mode is None:
-            mode = "shared-prefix" if str(device).startswith("cuda") else "per-branch"
-        check_device(device)
-        options = runtime_adapter.runtime_options(device, dtype, mode, kernels, graphs)
+        if device is not None:
+            check_device(device)
+        options = runtime_adapter.runtime_options(device, dtype, mode, kernels, graphs, compile_)
         todo = collect_requests(case, generated, seed, requests_file)
         report = run(export, checkpoint, base, todo, options, pins, valen_source, tolerances_path, threads, reference_cache, fp64, reference_shards)
     except UsageProblem as e:

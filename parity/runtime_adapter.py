@@ -21,12 +21,12 @@ from valen_runtime.options import KERNELS, EngineOptions
 from .errors import UsageProblem
 
 
-def runtime_options(device: str = "cpu", dtype: str = "bf16", mode: str = "per-branch", kernels: str | None = None,
-                    graphs: bool | None = None) -> EngineOptions:
+def runtime_options(device: str | None = "cpu", dtype: str = "bf16", mode: str | None = "per-branch", kernels: str | None = None,
+                    graphs: bool | None = None, compile: bool | None = None) -> EngineOptions:
     """The runtime's EngineOptions (None: the engine's default for the device); an impossible
     combination is a usage problem (one line, exit 2)."""
     try:
-        return EngineOptions(device=device, dtype=dtype, mode=mode, kernels=kernels, graphs=graphs)
+        return EngineOptions(device=device, dtype=dtype, mode=mode, kernels=kernels, graphs=graphs, compile=compile)
     except ValueError as e:
         raise UsageProblem(str(e)) from None
 

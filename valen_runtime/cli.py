@@ -3,8 +3,10 @@
 The request is read and checked by the wire contract (wire.py) before the export is loaded: at
 most 8 MiB + 1 byte is ever read, from a file or from stdin. The response is the body valen-serve
 sends for the same request. Every file of the export is re-hashed against its manifest before
-anything is loaded, as valen-serve does (`--verify size` or `none` opts out). Expected failures
-(bad request, bad export) print one line to stderr and exit 2.
+anything is loaded, as valen-serve does (`--verify size` or `none` opts out). The engine options
+and their per-device defaults are valen-serve's (cli_options.py): on CUDA the compiled fast path
+with CUDA graphs, so one request pays the compile (`--no-compile --no-cuda-graphs` skips it).
+Expected failures (bad request, bad export) print one line to stderr and exit 2.
 """
 
 from __future__ import annotations
@@ -15,26 +17,22 @@ from pathlib import Path
 
 import click
 
+from .cli_options import engine_options, resolve, resolve_temperature, temperature_options, threads_option
 from .errors import ValenError
 
 
 @click.command(name="valen-run")
 @click.option("--export", "export_dir", required=True, type=click.Path(path_type=Path), help="A valen-export output directory.")
-@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
-@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True, help="Compute dtype (the reference runs bf16).")
-@click.option("--mode", type=click.Choice(["per-branch", "shared-prefix"]), default=None, help="Execution mode (default: shared-prefix on CUDA, per-branch on CPU).")
-@click.option("--temperature", type=float, default=None, help="Softmax temperature (default 1.0).")
-@click.option("--calibration", type=click.Path(path_type=Path), default=None, help="Calibration JSON with a scalar 'temperature'.")
+@engine_options
+@temperature_options
 @click.option("--verify", type=click.Choice(["full", "size", "none"]), default="full", show_default=True,
               help="Before loading: re-hash every file against the manifest (full, as valen-serve and valen-verify do), "
                    "check only the sizes (size: skips a few seconds of hashing on a 2B export, and misses damage that keeps a file's size), or neither (none).")
-@click.option("--compile/--no-compile", "compile_", default=False, show_default=True,
-              help="torch.compile the CUDA fast path (off here: one request per process cannot repay about a minute of compiling; a long-lived Engine compiles by default).")
-@click.option("--cuda-graphs/--no-cuda-graphs", "graphs", default=False, show_default=True,
-              help="Capture CUDA graphs (off here: they pay off from the second request of a shape on).")
+@threads_option()
 @click.option("--timings", is_flag=True, help="Print prepare/model seconds to stderr.")
+@click.option("--verbose", is_flag=True, help="Print the resolved options (one JSON line) to stderr before loading.")
 @click.argument("request", type=click.Path(allow_dash=True, path_type=str))
-def main(export_dir, device, dtype, mode, temperature, calibration, verify, compile_, graphs, timings, request) -> None:
+def main(export_dir, device, dtype, mode, kernels, graphs, compile_, temperature, calibration, verify, threads, timings, verbose, request) -> None:
     """Run Valen on REQUEST (a JSON file, or - for stdin) and print the response JSON.
 
     \b
@@ -44,17 +42,19 @@ def main(export_dir, device, dtype, mode, temperature, calibration, verify, comp
                                  "criteria": {"refund": "Refund it", "wait": "Wait"}}}}' \\
         | valen-run --export build/demo/export-separate -
     """
-    from .answers import load_temperature
+    import torch
+
     from .engine import Engine
-    from .options import EngineOptions
     from .wire import decode_request, encode_response, read_request_source, response_body
 
     try:
-        if temperature is not None and calibration is not None:
-            raise ValenError("--temperature and --calibration are mutually exclusive")
-        temp = load_temperature(calibration) if calibration is not None else (1.0 if temperature is None else temperature)
+        temp = resolve_temperature(temperature, calibration)
         req = decode_request(read_request_source(request))
-        options = EngineOptions(device=device, dtype=dtype, mode=mode, compile=compile_, graphs=graphs)
+        options = resolve(device, dtype, mode, kernels, graphs, compile_)
+        if verbose:
+            click.echo(json.dumps({"options": options.to_json(), "temperature": temp, "verify": verify, "threads": threads}), err=True)
+        if threads is not None:
+            torch.set_num_threads(threads)
         engine = Engine.load(export_dir, options, verify=verify, temperature=temp)
         result = engine.run(req)
     except (ValenError, ValueError, OSError) as e:

@@ -1,0 +1,199 @@
+"""Admission's inner side: the executor thread that owns the Engine and runs admitted jobs in
+arrival order, in batches of those already waiting, and gives up on jobs nobody waits for (cancel.py)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .. import cancel
+from .settings import Settings
+from .warmup import warmup_batches
+
+log = logging.getLogger("valen_serve")
+
+
+@dataclass
+class Job:
+    """One request for the executor; `future` gets the RunResult or the exception."""
+
+    request: dict
+    id: str = ""  # the request id, for the executor's own log lines
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    queued_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None
+    batch: int = 0  # how many requests ran together with this one, itself included
+    abandoned_at: float | None = None  # set by `abandon`: its client has been answered without it
+
+    def abandon(self) -> None:
+        """Nobody waits for this job any more: if it has not started it never will, and once every job
+        of its batch is abandoned the engine stops at its next layer (cancel.py)."""
+        self.abandoned_at = time.perf_counter()
+        self.future.cancel()
+
+
+
+class Executor:
+    """One thread owns the Engine: it loads it, warms it up, then runs jobs in arrival order, up to
+    `max_batch` of those already queued together (`Engine.prepare_many` / `launch` / `collect`: one
+    sweep where the engine batches; a request that fails fails alone). On CUDA the next batch's
+    host work overlaps the device work of the one before it.
+
+    A job abandoned before it started (its client's timeout passed) is skipped; a batch whose jobs
+    are all abandoned while it runs stops at the engine's next layer (cancel.py) and is logged as
+    "cancelled". Jobs are admitted by the HTTP side, which bounds how many wait.
+    """
+
+    def __init__(self, load: Callable[[], object], warmup: list[dict], max_batch: int = Settings.max_batch,
+                 pipelined: bool | None = None, batch_wait: float = Settings.batch_wait):
+        """pipelined: overlap the next batch's host work with the one in flight (None: on CUDA).
+        batch_wait: seconds an idle executor, woken by one request, waits for more to join it."""
+        self._load = load
+        self._warmup = warmup
+        self.max_batch = max_batch
+        self.batch_wait = batch_wait
+        self.pipelined = pipelined
+        self.batches_run = 0  # executor sweeps with more than one request
+        self._jobs: "queue.SimpleQueue[Job | None]" = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="valen-executor", daemon=True)
+        self.error: BaseException | None = None
+        self.timings: dict[str, float] = {}
+        self.engine_info: dict = {}
+
+    def start(self) -> None:
+        """Load and warm up on the executor thread; raises what loading raised."""
+        self._thread.start()
+        self._ready.wait()
+        if self.error is not None:
+            raise self.error
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request: dict, request_id: str = "") -> Job:
+        job = Job(request, request_id)
+        self._jobs.put(job)
+        return job
+
+    def stop(self) -> None:
+        """Let the thread finish the jobs it has, then end it."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            t0 = time.perf_counter()
+            engine = self._load()
+            batches = engine.batches and self.max_batch > 1
+            self.engine_info = {"mode": engine.mode, "layout": ("one-pass" if engine.one_pass else "batch") + " where a prefix is shared, else rows",
+                                "kernels": dict(engine.kernels), "cuda_graphs": engine.graphs is not None,
+                                "max_batch": self.max_batch if batches else 1}
+            t1 = time.perf_counter()
+            # CUDA graphs capture a shape on its second use (fast/graphs.py): run everything twice.
+            for _ in range(2 if engine.graphs is not None else 1):
+                for request in self._warmup:
+                    engine.run(request)
+                for group in warmup_batches(self._warmup, self.max_batch) if batches else []:
+                    for result in engine.run_many(group):
+                        if isinstance(result, Exception):
+                            raise result
+            self.timings = {"load_s": t1 - t0, "warmup_s": time.perf_counter() - t1}
+        except BaseException as exc:  # handed to start(), which raises it in the main thread
+            self.error = exc
+            return
+        finally:
+            self._ready.set()
+        # An engine that does not batch runs requests one at a time, so each starts (and can still be
+        # abandoned) on its own.
+        take = self.max_batch if batches else 1
+        # On CUDA, pipelined: the next jobs' host work (decoding, tokenizing, planning; their vision
+        # towers queue behind the device work in flight) runs before the jobs in flight are
+        # collected. On the CPU the device work is the executor's own, so nothing would overlap.
+        pipelined = self.pipelined if self.pipelined is not None else engine.model.device.type == "cuda"
+        in_flight, stopping = None, False
+        while True:
+            jobs = [] if stopping else self._take(take, block=in_flight is None)
+            if jobs and jobs[-1] is None:
+                jobs, stopping = jobs[:-1], True  # run what came before the stop, then end
+            jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]  # skip the abandoned
+            prepared = self._prepare(engine, jobs) if jobs else None
+            if in_flight is not None:
+                self._collect(engine, *in_flight)
+            in_flight = (jobs, self._launch(engine, jobs, prepared)) if prepared is not None else None
+            if in_flight is not None and not pipelined:
+                self._collect(engine, *in_flight)
+                in_flight = None
+            if in_flight is None and stopping:
+                return
+
+    def _take(self, most: int, block: bool) -> list:
+        """Up to `most` queued jobs, waiting for the first only when `block` (and then up to
+        batch_wait for more); a None (stop) ends the list."""
+        jobs, deadline = [], None
+        while len(jobs) < most:
+            try:
+                if block and not jobs:
+                    job = self._jobs.get()
+                    deadline = time.perf_counter() + self.batch_wait
+                elif deadline is not None and (left := deadline - time.perf_counter()) > 0:
+                    job = self._jobs.get(timeout=left)
+                else:
+                    job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            jobs.append(job)
+            if job is None:
+                break
+        return jobs
+
+    def _prepare(self, engine, jobs: list[Job]):
+        started = time.perf_counter()
+        for job in jobs:
+            job.started_at, job.batch = started, len(jobs)
+        self.batches_run += len(jobs) > 1
+        try:
+            with cancel.scope(self._abandoned(jobs)):
+                return engine.prepare_many([job.request for job in jobs])
+        except BaseException as exc:  # not a request's own failure (prepare_many keeps those): all fail
+            self._settle(jobs, [exc] * len(jobs))
+            return None
+
+    def _launch(self, engine, jobs: list[Job], prepared):
+        with cancel.scope(self._abandoned(jobs)):
+            return engine.launch(prepared)  # keeps what it raises for collect
+
+    def _collect(self, engine, jobs: list[Job], batch) -> None:
+        try:
+            with cancel.scope(self._abandoned(jobs)):
+                results = engine.collect(batch)
+        except BaseException as exc:
+            results = [exc] * len(jobs)
+        self._settle(jobs, results)
+
+    @staticmethod
+    def _abandoned(jobs: list[Job]) -> Callable[[], bool]:
+        """The batch's stop test: true once no job in it has a client waiting."""
+        return lambda: all(job.abandoned_at is not None for job in jobs)
+
+    @staticmethod
+    def _settle(jobs: list[Job], results: list) -> None:
+        """Hand each job its result or exception; log the jobs whose work was given up midway."""
+        stopped = [job for job, result in zip(jobs, results) if isinstance(result, cancel.Cancelled)]
+        if stopped:
+            now = time.perf_counter()
+            log.info({"event": "cancelled", "ids": [job.id for job in stopped],
+                      "ran_ms": round((now - stopped[0].started_at) * 1e3, 3),
+                      "ms_after_abandoned": round(min(now - job.abandoned_at for job in stopped) * 1e3, 3)})
+        for job, result in zip(jobs, results):
+            if isinstance(result, BaseException):
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)
+

@@ -1,0 +1,138 @@
+"""The ASGI application: the two routes, admission (at most queue_size + 1 requests with their
+bodies read), handing requests to the executor, status codes and one log line per request."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import re
+import time
+import uuid
+from typing import Callable
+
+from ..errors import RequestError
+from ..wire import MODEL_NAME, decode_request, encode_response, http_status, response_body
+from .admission import Executor
+from .protocol import _Answer, _BodyReads, _ClientGone, check_body_headers, read_body
+from .settings import Settings
+
+log = logging.getLogger("valen_serve")
+
+HEALTH = {"status": "ready", "model": MODEL_NAME, "modality": "multimodal"}
+ROUTES = {("GET", "/health"), ("POST", "/v1/systemone")}
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def _json_response(status: int, body: dict, request_id: str):
+    from starlette.responses import Response
+
+    return Response(encode_response(body), status_code=status, media_type="application/json", headers={"x-request-id": request_id})
+
+
+class WorkerApp:
+    """The ASGI application: routing, admission, bounded body reading, status codes, one log line."""
+
+    def __init__(self, executor: Executor, settings: Settings, draining: Callable[[], bool] = lambda: False):
+        self.executor = executor
+        self.settings = settings
+        self.capacity = settings.queue_size + 1
+        self.admitted = 0  # requests with their body read, parsing, waiting or running (event loop only)
+        self.body_reads = _BodyReads(settings.max_body_reads, settings.max_body_reads_per_client)
+        self.draining = draining
+        self._parse_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="valen-parse")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":  # lifespan is off; nothing else is served
+            return
+        from starlette.datastructures import Headers
+
+        started = time.perf_counter()
+        headers = Headers(scope=scope)
+        supplied = headers.get("x-request-id", "")
+        request_id = supplied if _REQUEST_ID.fullmatch(supplied) else uuid.uuid4().hex[:16]
+        record = {"event": "request", "id": request_id, "method": scope["method"], "path": scope["path"]}
+        try:
+            if (scope["method"], scope["path"]) not in ROUTES:
+                raise _Answer(404, "unknown route")
+            if scope["path"] == "/health":
+                status, body = self._health()
+            else:
+                client = (scope.get("client") or ("",))[0]
+                status, body = 200, await self._systemone(headers, receive, record, started, client)
+        except _Answer as answer:
+            status, body = answer.status, {"detail": answer.detail}
+        except _ClientGone:
+            record.update(status=499, detail="client closed the connection before the body was complete", ms=_ms(started))
+            log.info(record)
+            return
+        except Exception as exc:  # a bug here must still answer in the contract's shape
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            status, body = 500, {"detail": "inference failed"}
+        await _json_response(status, body, request_id)(scope, receive, send)
+        record.update(status=status, ms=_ms(started))
+        if status != 200:
+            record["detail"] = body.get("detail", body.get("status"))
+        log.info(record)
+
+    def _health(self) -> tuple[int, dict]:
+        if self.draining():
+            return 503, {"detail": "shutting down"}
+        if not self.executor.alive:
+            return 503, {"detail": "the executor thread has stopped"}
+        return 200, dict(HEALTH)
+
+    async def _systemone(self, headers, receive, record: dict, started: float, client: str) -> dict:
+        length = check_body_headers(headers)
+        if self.draining():
+            raise _Answer(503, "shutting down")
+        self._check_capacity()  # full already: answered without reading the body
+        refusal = self.body_reads.refusal(client)
+        if refusal is not None:
+            raise _Answer(503, refusal)
+        with self.body_reads.slot(client):  # a slow or idle body holds this slot only, not capacity
+            body = await read_body(receive, length, self.settings.read_timeout)
+        self._check_capacity()
+        self.admitted += 1
+        try:
+            try:
+                request = await asyncio.get_running_loop().run_in_executor(self._parse_pool, decode_request, body)
+            except RequestError as exc:
+                raise _Answer(http_status(exc), str(exc)) from None
+            del body  # the parsed request is what waits
+            return await self._run(request, record, started)
+        finally:
+            self.admitted -= 1
+
+    def _check_capacity(self) -> None:
+        if self.admitted >= self.capacity:
+            raise _Answer(503, f"worker busy: {self.capacity} requests admitted (--queue-size {self.settings.queue_size} + 1)")
+
+    async def _run(self, request: dict, record: dict, started: float) -> dict:
+        job = self.executor.submit(request, record["id"])
+        remaining = self.settings.request_timeout - (time.perf_counter() - started)
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(job.future), timeout=max(remaining, 0.0))
+        except asyncio.TimeoutError:
+            job.abandon()
+            if job.started_at is not None:  # the executor is still busy with it until its next layer
+                record["executor"] = "still busy with it: the work stops at its next layer once no request of its batch is waited for"
+            raise _Answer(503, f"not answered within {self.settings.request_timeout:g} s (--request-timeout); the worker is overloaded") from None
+        except RequestError as exc:
+            record["batch"] = job.batch  # it failed alone; its batch-mates went on
+            raise _Answer(http_status(exc), str(exc)) from None
+        except Exception as exc:
+            record["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            raise _Answer(500, "inference failed") from None
+        response = result.response
+        record.update(
+            input_tokens=response["usage"]["input_tokens"], compute_tokens=response["internal_usage"]["compute_tokens"],
+            queue_ms=round((job.started_at - job.queued_at) * 1e3, 3), run_ms=round((time.perf_counter() - job.started_at) * 1e3, 3),
+            batch=job.batch,
+        )
+        return response_body(response)
+
+
+def _ms(started: float) -> float:
+    return round((time.perf_counter() - started) * 1e3, 3)
+

@@ -1,0 +1,194 @@
+"""`valen-serve`'s command: check the options into one ServeSettings, bind the port, load and warm
+up, then serve with uvicorn until a stop signal; plus the process's JSON log lines."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import platform
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import click
+
+from ..cli_options import engine_options, resolve, resolve_temperature, temperature_options, threads_option
+from ..errors import ValenError
+from .admission import Executor
+from .app import WorkerApp
+from .protocol import _protocol_class
+from .settings import ServeSettings, Settings
+from .warmup import warmup_requests
+
+log = logging.getLogger("valen_serve")
+
+# Each drains: stop accepting, answer what was admitted, exit 0. SIGHUP's default would kill the
+# process mid-request (exit 129), and a worker has no configuration to reload.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a SIGTERM / SIGINT / SIGHUP that stopped it gracefully ends the process
+        with exit 0 instead of being raised again once the server is down."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+class _JsonLines(logging.Formatter):
+    """One JSON object per line: dict messages as they are, anything else as {"message": ...}."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 3), "level": record.levelname.lower()}
+        if isinstance(record.msg, dict):
+            entry.update(record.msg)
+        else:
+            entry.update(logger=record.name, message=record.getMessage())
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def _configure_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonLines())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    log.setLevel(logging.INFO)
+    logging.captureWarnings(True)  # a library's warning (Pillow on an odd image, ...) is a JSON line too, never raw text
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP: asyncio turns Nagle's algorithm off only on sockets that say they are TCP;
+    # with proto 0, every answer on a kept-alive connection waited for a delayed ACK (40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind {host}:{port} ({exc.strerror or exc})") from None
+    return sock
+
+
+@contextlib.contextmanager
+def _stop_on_signal_before_ready():
+    """SIGTERM / SIGINT / SIGHUP while starting (imports, loading, warmup): stop at once, exit 0 (nothing is in flight)."""
+
+    def stop(signum, frame):
+        log.info({"event": "stopped", "reason": f"signal {signum} before ready"})
+        sys.stderr.flush()
+        # At once: the executor thread may be inside torch, which interpreter shutdown must not race.
+        os._exit(0)
+
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+def settings_from_command_line(export_dir, host, port, device, dtype, mode, kernels, graphs, compile_, temperature, calibration,
+                               queue_size, max_batch, batch_wait_ms, request_timeout, read_timeout, max_body_reads,
+                               max_body_reads_per_client, threads, warmup) -> ServeSettings:
+    """Every option checked (ValueError / ValenError: one line) and resolved, before the port is bound."""
+    limits = Settings(queue_size=queue_size, request_timeout=request_timeout, read_timeout=read_timeout, max_batch=max_batch,
+                      batch_wait=batch_wait_ms / 1e3, max_body_reads=max_body_reads, max_body_reads_per_client=max_body_reads_per_client)
+    temp = resolve_temperature(temperature, calibration)
+    options = resolve(device, dtype, mode, kernels, graphs, compile_)
+    full = warmup == "full" or (warmup == "auto" and options.device.startswith("cuda"))
+    return ServeSettings(export_dir=export_dir, host=host, port=port, options=options, temperature=temp, threads=threads,
+                         full_warmup=full, limits=limits)
+
+
+def _start(settings: ServeSettings) -> tuple[Executor, socket.socket]:
+    """Bind the port, load and warm up: (executor, socket)."""
+    import torch
+
+    from ..engine import Engine
+
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    sock = _bind(settings.host, settings.port)
+
+    def load():
+        return Engine.load(settings.export_dir, settings.options, verify="full", temperature=settings.temperature)
+
+    executor = Executor(load, warmup_requests(settings.full_warmup), settings.limits.max_batch, batch_wait=settings.limits.batch_wait)
+    log.info({"event": "loading", "export": str(settings.export_dir), "device": settings.options.device, "dtype": settings.options.dtype,
+              "warmup": "full" if settings.full_warmup else "basic"})
+    executor.start()
+    return executor, sock
+
+
+@click.command(name="valen-serve")
+@click.option("--export", "export_dir", required=True, type=click.Path(path_type=Path), help="A valen-export output directory.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on (the frontend's backend URL points here).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port; 0 picks a free one (the ready log line names it).")
+@engine_options
+@temperature_options
+@click.option("--queue-size", default=Settings.queue_size, show_default=True, type=int, help="Requests admitted beyond the one running; one more is answered 503.")
+@click.option("--max-batch", default=Settings.max_batch, show_default=True, type=int, help="Up to this many waiting requests run in one sweep of the layers (the fast path's shared-prefix mode; never waits for more); 1: one at a time.")
+@click.option("--batch-wait-ms", default=0.0, show_default=True, type=float, help="How long an idle executor woken by one request waits for more to join its batch (0: never waits).")
+@click.option("--request-timeout", default=Settings.request_timeout, show_default=True, type=float, help="Seconds from admission to answer; past it 503.")
+@click.option("--read-timeout", default=Settings.read_timeout, show_default=True, type=float, help="Seconds for a request's headers, and for its body; past it 408.")
+@click.option("--max-body-reads", default=Settings.max_body_reads, show_default=True, type=int, help="Requests that may be sending their bodies at once; one more is answered 503 (an idle body never takes --queue-size capacity).")
+@click.option("--max-body-reads-per-client", default=Settings.max_body_reads_per_client, show_default=True, type=int, help="The same, from one client address.")
+@threads_option()
+@click.option("--warmup", type=click.Choice(["auto", "basic", "full"]), default="auto", show_default=True, help="basic: one text and one image request; full: every shape family the CUDA fast path compiles (auto: full on CUDA).")
+def main(**command_line) -> None:
+    """Serve an export as a System1-Omni worker: POST /v1/systemone, GET /health.
+
+    \b
+    Example:
+      valen-serve --export build/demo/export-separate --port 8000
+      curl -s localhost:8000/health
+    """
+    _configure_logging()
+    try:
+        with _stop_on_signal_before_ready():
+            settings = settings_from_command_line(**command_line)
+            executor, sock = _start(settings)
+    except (ValenError, ValueError, OSError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    import torch
+    import uvicorn
+
+    limits, dev = settings.limits, settings.options.device
+    server = None
+    app = WorkerApp(executor, limits, draining=lambda: server is not None and server.should_exit)
+    config = uvicorn.Config(
+        app, http=_protocol_class(limits.read_timeout), lifespan="off", log_config=None, access_log=False, server_header=False,
+        timeout_keep_alive=5, timeout_graceful_shutdown=int(limits.request_timeout + limits.read_timeout) + 5,
+        h11_max_incomplete_event_size=64 * 1024,  # request line + headers
+    )
+    server = _server_class()(config)
+    sock.listen(128)
+    bound_host, bound_port = sock.getsockname()[:2]
+    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    log.info({"event": "ready", "url": f"http://{url_host}:{bound_port}", "port": bound_port, "device": dev,
+              "device_name": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else (platform.processor() or platform.machine()),
+              "dtype": settings.options.dtype, "torch_threads": torch.get_num_threads(), **executor.engine_info, **{k: round(v, 3) for k, v in executor.timings.items()},
+              "queue_size": limits.queue_size, "max_body_reads": limits.max_body_reads,
+              "max_body_reads_per_client": limits.max_body_reads_per_client, "batch_wait_ms": limits.batch_wait * 1e3, "request_timeout_s": limits.request_timeout, "read_timeout_s": limits.read_timeout,
+              "options": settings.options.to_json(), "temperature": settings.temperature,
+              "versions": {"python": platform.python_version(), "torch": torch.__version__, "uvicorn": uvicorn.__version__}})
+    server.run(sockets=[sock])
+    executor.stop()
+    log.info({"event": "stopped", "reason": "signal" if server.should_exit else "server ended"})
+    sys.exit(0)
