@@ -153,7 +153,7 @@ class Engine:
         """Several requests at once: each prepared alone, then those that compiled run in one sweep
         of the layers where the engine batches (`batches`), else one after the other. Per request:
         its RunResult, or the exception that request raised (a bad request fails alone).
-        `prepare_many` -> `launch` -> `collect`, which a server can overlap (serve.py)."""
+        `prepare_many` -> `launch` -> `collect`, which a server can overlap (serve/admission.py)."""
         return self.collect(self.launch(self.prepare_many(requests)))
 
     def prepare_many(self, requests: list[dict]) -> "Batch":
