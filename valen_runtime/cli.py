@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from .cli_options import engine_options, resolve, resolve_temperature, temperature_options, threads_option
+from .cli_options import engine_options, resolve, temperature_options, threads_option
 from .errors import ValenError
 
 
@@ -48,14 +48,13 @@ def main(export_dir, device, dtype, mode, kernels, graphs, compile_, temperature
     from .wire import decode_request, encode_response, read_request_source, response_body
 
     try:
-        temp = resolve_temperature(temperature, calibration)
+        options = resolve(device, dtype, mode, kernels, graphs, compile_, temperature, calibration)
         req = decode_request(read_request_source(request))
-        options = resolve(device, dtype, mode, kernels, graphs, compile_)
         if verbose:
-            click.echo(json.dumps({"options": options.to_json(), "temperature": temp, "verify": verify, "threads": threads}), err=True)
+            click.echo(json.dumps({"options": options.describe(), "verify": verify, "threads": threads}), err=True)
         if threads is not None:
             torch.set_num_threads(threads)
-        engine = Engine.load(export_dir, options, verify=verify, temperature=temp)
+        engine = Engine.load(export_dir, options, verify=verify)
         result = engine.run(req)
     except (ValenError, ValueError, OSError) as e:
         click.echo(f"error: {e}", err=True)

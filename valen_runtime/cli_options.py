@@ -38,9 +38,12 @@ def engine_options(command):
     return command
 
 
-def resolve(device, dtype, mode, kernels, graphs, compile_) -> EngineOptions:
-    """The EngineOptions of the command line; raises ValueError (one line) for an impossible combination."""
-    return EngineOptions(device=device, dtype=dtype, mode=mode, kernels=kernels, graphs=graphs, compile=compile_)
+def resolve(device, dtype, mode, kernels, graphs, compile_, temperature=None, calibration=None) -> EngineOptions:
+    """The EngineOptions of the command line, the temperature included (--temperature, or the
+    --calibration file's, else 1.0: EngineOptions resolves it); raises ValueError or ValenError
+    (one line) for an impossible combination or an unreadable calibration file."""
+    return EngineOptions(device=device, dtype=dtype, mode=mode, kernels=kernels, graphs=graphs, compile=compile_,
+                         temperature=temperature, calibration=None if calibration is None else str(calibration))
 
 
 def temperature_options(command):
@@ -54,11 +57,3 @@ def threads_option(help: str = "torch CPU threads (default: torch's, one per cor
     return click.option("--threads", type=click.IntRange(1, None), default=None, help=help)
 
 
-def resolve_temperature(temperature: float | None, calibration: Path | None) -> float:
-    """The softmax temperature of --temperature / --calibration (1.0 when neither is given)."""
-    from .answers import load_temperature
-    from .errors import ValenError
-
-    if temperature is not None and calibration is not None:
-        raise ValenError("--temperature and --calibration are mutually exclusive")
-    return load_temperature(calibration) if calibration is not None else (1.0 if temperature is None else temperature)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from ..cli_options import engine_options, resolve, resolve_temperature, temperature_options, threads_option
+from ..cli_options import engine_options, resolve, temperature_options, threads_option
 from ..errors import ValenError
 from .admission import Executor
 from .app import WorkerApp
@@ -108,10 +108,9 @@ def settings_from_command_line(export_dir, host, port, device, dtype, mode, kern
     """Every option checked (ValueError / ValenError: one line) and resolved, before the port is bound."""
     limits = Settings(queue_size=queue_size, request_timeout=request_timeout, read_timeout=read_timeout, max_batch=max_batch,
                       batch_wait=batch_wait_ms / 1e3, max_body_reads=max_body_reads, max_body_reads_per_client=max_body_reads_per_client)
-    temp = resolve_temperature(temperature, calibration)
-    options = resolve(device, dtype, mode, kernels, graphs, compile_)
+    options = resolve(device, dtype, mode, kernels, graphs, compile_, temperature, calibration)
     full = warmup == "full" or (warmup == "auto" and options.device.startswith("cuda"))
-    return ServeSettings(export_dir=export_dir, host=host, port=port, options=options, temperature=temp, threads=threads,
+    return ServeSettings(export_dir=export_dir, host=host, port=port, options=options, threads=threads,
                          full_warmup=full, limits=limits)
 
 
@@ -126,7 +125,7 @@ def _start(settings: ServeSettings) -> tuple[Executor, socket.socket]:
     sock = _bind(settings.host, settings.port)
 
     def load():
-        return Engine.load(settings.export_dir, settings.options, verify="full", temperature=settings.temperature)
+        return Engine.load(settings.export_dir, settings.options, verify="full")
 
     executor = Executor(load, warmup_requests(settings.full_warmup), settings.limits.max_batch, batch_wait=settings.limits.batch_wait)
     log.info({"event": "loading", "export": str(settings.export_dir), "device": settings.options.device, "dtype": settings.options.dtype,
@@ -186,7 +185,7 @@ def main(**command_line) -> None:
               "dtype": settings.options.dtype, "torch_threads": torch.get_num_threads(), **executor.engine_info, **{k: round(v, 3) for k, v in executor.timings.items()},
               "queue_size": limits.queue_size, "max_body_reads": limits.max_body_reads,
               "max_body_reads_per_client": limits.max_body_reads_per_client, "batch_wait_ms": limits.batch_wait * 1e3, "request_timeout_s": limits.request_timeout, "read_timeout_s": limits.read_timeout,
-              "options": settings.options.to_json(), "temperature": settings.temperature,
+              "options": settings.options.describe(),
               "versions": {"python": platform.python_version(), "torch": torch.__version__, "uvicorn": uvicorn.__version__}})
     server.run(sockets=[sock])
     executor.stop()

@@ -40,8 +40,7 @@ class ServeSettings:
     export_dir: Path
     host: str
     port: int
-    options: EngineOptions  # device, dtype, mode, kernels, graphs, compile: resolved for the device
-    temperature: float
+    options: EngineOptions  # every engine choice, the temperature included, resolved for the device
     threads: int | None
     full_warmup: bool
     limits: Settings
