@@ -1,9 +1,11 @@
 """Wire request -> token ids, pixels and readout positions (docs/valen-model.md).
 
-`Compiler.compile(request)` validates a /v1/systemone request (docs/wire-contract.md), builds the
-shared state prefix the way transformers 5.4.0's `apply_chat_template(..., tokenize=True)` does,
-and appends each branch's suffix segment by segment, recording candidate and decision positions.
-Nothing here runs a model; every expected failure is a RequestError naming the JSON path.
+`Compiler.compile(request)` validates a /v1/systemone request with `wire.validate_request` (the one
+validator, docs/wire-contract.md) and compiles the ValidRequest it returns: it builds the shared
+state prefix the way transformers 5.4.0's `apply_chat_template(..., tokenize=True)` does, and
+appends each branch's suffix segment by segment, recording candidate and decision positions.
+Nothing here runs a model; what it refuses (a RequestError naming the JSON path) needs the pixels
+or the export: an image that does not decode, the chat template's refusal, max_length.
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ from .wire import (  # noqa: F401
 DEFAULT_MAX_LENGTH = 8192
 
 # What `Compiler.compile(..., timings=)` reports, seconds per phase. On the calling thread: json
-# (compile_bytes only), validate (the wire contract and the questions' text), state_parse (state
-# shape, base64), image_open (headers and limits, and starting each decode), template (chat
-# template), tokenize (tokenizer, image-token expansion and types), image_wait (blocked on the
+# (compile_bytes only), validate (wire.validate_request: the whole contract, base64 included),
+# state_parse (the messages into the chat template's shape), image_open (headers and limits, and
+# starting each decode), template (chat template), tokenize (tokenizer, image-token expansion and types), image_wait (blocked on the
 # decode threads), on_images (the caller's callback), questions (branch layout). Where the images
 # were decoded, summed over them: decode (PIL: inflate, unfilter, EXIF turn, RGB), to_tensor (the
 # copy out of PIL), resize.

@@ -4,11 +4,14 @@
 - bounded reading (`read_limited`, `read_request_source`): never more than a limit + 1 byte;
 - strict JSON (`parse_request_bytes`): UTF-8, no duplicate keys, no NaN / Infinity, no lone
   surrogates, no nesting deeper than MAX_DEPTH;
-- the request's shape and limits (`validate_request`), which returns the request in canonical
-  form: instructions and descriptions sent as JSON objects or arrays become their JSON text;
+- the request's shape and limits (`check_request`), which returns the request in canonical form:
+  instructions and descriptions sent as JSON objects or arrays become their JSON text;
+- every further check of a request (`validate_request`): the text that enters the prompt, the
+  message structure, the images' base64; it returns a typed `ValidRequest`, all the compiler reads;
 - the response body (`response_body`): answers in the upstream worker's key order.
 
-Checks that need the export (special tokens, image decoding, max_length) stay in the compiler.
+This is the only validator. What the compiler can still refuse needs the pixels or the export:
+an image's header and decode, the chat template's own refusal, max_length.
 Every refusal is a RequestError naming the JSON path; `http_status` maps it to the worker's code:
 BodyError 400 (the body is not a usable JSON object), TooLarge 413 (body or image over its byte
 limit), anything else 422.
