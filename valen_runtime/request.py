@@ -11,11 +11,10 @@ or the export: an image that does not decode, the chat template's refusal, max_l
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -37,6 +36,8 @@ from .image import (
     resize_for_patches,
     stack_images,
 )
+from .decode_pool import shared_decode_pool
+from .phases import PHASES, Phases  # noqa: F401  (PHASES: re-exported for callers)
 from .tokenizer import Tokenizer
 
 # The wire contract (limits, strict JSON, every check of a request) lives in wire.py: the compiler
@@ -63,16 +64,6 @@ from .wire import (  # noqa: F401
 )
 
 DEFAULT_MAX_LENGTH = 8192
-
-# What `Compiler.compile(..., timings=)` reports, seconds per phase. On the calling thread: json
-# (compile_bytes only), validate (wire.validate_request: the whole contract, base64 included),
-# state_parse (the messages into the chat template's shape), image_open (headers and limits, and
-# starting each decode), template (chat template), tokenize (tokenizer, image-token expansion and types), image_wait (blocked on the
-# decode threads), on_images (the caller's callback), questions (branch layout). Where the images
-# were decoded, summed over them: decode (PIL: inflate, unfilter, EXIF turn, RGB), to_tensor (the
-# copy out of PIL), resize.
-PHASES = ("json", "validate", "state_parse", "image_open", "template", "tokenize", "image_wait", "on_images",
-          "questions", "decode", "to_tensor", "resize")
 
 
 @dataclass
@@ -165,52 +156,10 @@ class _PendingImage:
         return self.result.result() if isinstance(self.result, Future) else self.result
 
 
-class _Phases:
-    """Adds the wall-clock seconds since the last lap to `timings[name]`; nothing when it is None."""
-
-    def __init__(self, timings: dict | None):
-        self.timings = timings
-        self.last = time.perf_counter() if timings is not None else 0.0
-
-    def lap(self, name: str) -> None:
-        if self.timings is not None:
-            now = time.perf_counter()
-            self.timings[name] = self.timings.get(name, 0.0) + (now - self.last)
-            self.last = now
-
-    def add(self, seconds: dict[str, float]) -> None:
-        if self.timings is not None:
-            for name, value in seconds.items():
-                self.timings[name] = self.timings.get(name, 0.0) + value
-
-
-# Images decode on these threads while the calling thread tokenizes: PIL's decoders, zlib and
-# torch's resize run without the GIL. One per image a request may carry; shared by every compiler.
-_DECODE_THREADS = MAX_MESSAGE_IMAGES
 # One image with a short text decodes on the calling thread: handing it to a pool thread costs
 # about 0.1 ms (request (a), docs/benchmarks.md), and the tokenizer needs about 0.22 us a
 # character (request (c)), so overlap pays from some 500 characters; 1000 keeps a margin.
 _OVERLAP_MIN_TEXT_CHARS = 1000
-_decode_pool: ThreadPoolExecutor | None = None
-_decode_pool_lock = threading.Lock()
-
-
-def _shared_decode_pool() -> ThreadPoolExecutor:
-    global _decode_pool
-    with _decode_pool_lock:
-        if _decode_pool is None:
-            _decode_pool = ThreadPoolExecutor(max_workers=_DECODE_THREADS, thread_name_prefix="valen-image")
-        return _decode_pool
-
-
-def _forget_decode_pool_after_fork() -> None:
-    # A forked child inherits the pool object but not its threads: start a fresh one there.
-    global _decode_pool, _decode_pool_lock
-    _decode_pool, _decode_pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_decode_pool_after_fork)
 
 
 class Compiler:
@@ -276,7 +225,7 @@ class Compiler:
 
     def compile_bytes(self, data: bytes, on_images: Callable[[ImageInputs], None] | None = None,
                       timings: dict | None = None) -> CompiledRequest:
-        phases = _Phases(timings)
+        phases = Phases(timings)
         request = parse_request_bytes(data)
         phases.lap("json")
         return self.compile(request, on_images, timings)
@@ -290,13 +239,13 @@ class Compiler:
             starts the vision tower there. The state's text is tokenized while the images decode.
         timings: when given, seconds per phase are added to it (see `PHASES`).
         """
-        phases = _Phases(timings)
+        phases = Phases(timings)
         valid = validate_request(request, self.tokenizer.reserved_strings)  # the whole contract: wire.py
         phases.lap("validate")
         return self._compile_valid(valid, on_images, phases)
 
     def _compile_valid(self, valid: ValidRequest, on_images: Callable[[ImageInputs], None] | None,
-                       phases: _Phases) -> CompiledRequest:
+                       phases: Phases) -> CompiledRequest:
         """A request `validate_request` returned (with this compiler's reserved tokens) -> token
         ids, pixels and positions. What is refused here needs the export or the pixels: an image
         that does not decode or is past ImageLimits, a prompt past max_length."""
@@ -321,12 +270,12 @@ class Compiler:
 
     def _encode_state(self, messages: list[dict], images: list[ImagePart],
                       on_images: Callable[[ImageInputs], None] | None = None,
-                      phases: _Phases | None = None) -> StateInputs:
+                      phases: Phases | None = None) -> StateInputs:
         """Images decode on the pool while this thread renders and tokenizes the state with the
         grids the headers predict. Only each grid's token count enters the text, and an EXIF turn
         swaps height and width, which keeps it; a count that still differs re-tokenizes. Without
         the pool the images are ready first and `on_images` runs before the tokenizer."""
-        phases = phases or _Phases(None)
+        phases = phases or Phases(None)
         pending = self._start_images(images, self._worth_a_thread(messages, images))
         phases.lap("image_open")
         image_inputs = None
@@ -353,7 +302,7 @@ class Compiler:
         return StateInputs(input_ids, mm_token_type_ids, image_inputs.images, image_inputs.grid_thw, self.image_config)
 
     def _hand_over_images(self, pending: list[_PendingImage], on_images: Callable[[ImageInputs], None] | None,
-                          phases: _Phases) -> ImageInputs | None:
+                          phases: Phases) -> ImageInputs | None:
         """Wait for the decodes (in order; the first error is raised) and call `on_images` with
         them; None for a text state."""
         prepared = _results(pending)
@@ -381,7 +330,7 @@ class Compiler:
 
     def _start_images(self, images: list[ImagePart], in_threads: bool) -> list[_PendingImage]:
         """Check each header (in order, on this thread) and start its decode; [] for text states."""
-        pool = _shared_decode_pool() if in_threads else None
+        pool = shared_decode_pool() if in_threads else None
         pending: list[_PendingImage] = []
         for image in images:
             try:
