@@ -258,9 +258,9 @@ def check_request(request) -> dict:
 
     Canonical form: instructions and choice descriptions sent as JSON objects or arrays become
     their JSON text, as the upstream worker reads them (Valen's prompt takes text there);
-    everything else is as sent (an object state is serialised by the compiler, a null description
-    means its key there). Nothing is decoded here: the message structure, the text's control
-    tokens and the images' base64 are `validate_request`'s further checks.
+    everything else is as sent (an object state becomes its JSON text, and a null description its
+    key, in `validate_request`'s result). Nothing is decoded here: the message structure, the
+    text's control tokens and the images' base64 are `validate_request`'s further checks.
     """
     if not isinstance(request, dict):
         raise BodyError("body", "the request must be a JSON object")
@@ -353,7 +353,7 @@ def _criteria(kind: str, criteria, field: str):
             _name(key, item_field, "option key")
             if not key.strip():
                 raise RequestError(item_field, "option key must not be only whitespace")
-            if description is not None:  # null means the key (the compiler substitutes it)
+            if description is not None:  # null means the key (_valid_question substitutes it)
                 description = _as_text(description, item_field, "description")
                 if not description.strip():
                     raise RequestError(item_field, "description must be non-empty text")
@@ -397,13 +397,13 @@ def _state(state):
         _check_messages(state["messages"])
         return state
     if isinstance(state, (dict, list)):
-        _check_text_state(_as_text(state, "state", "state"))  # limited as the JSON text the compiler builds
+        _check_text_state(_as_text(state, "state", "state"))  # limited as the JSON text the prompt holds
         return state
     raise RequestError("state", "must be text, a JSON object or array, {image: data URL} or {messages: [...]}")
 
 
 def _check_image_url(url, field: str) -> None:
-    """Prefix and byte size of a data URL, from its length alone (decoding is the compiler's)."""
+    """Prefix and byte size of a data URL, from its length alone (`_image_part` decodes it)."""
     if not isinstance(url, str) or not url.startswith(DATA_URL_PREFIXES):
         raise RequestError(field, "must be a data:image/png;base64,… or data:image/jpeg;base64,… URL")
     payload = url.split(",", 1)[1]
@@ -416,10 +416,10 @@ def _check_image_url(url, field: str) -> None:
 
 
 def _check_messages(messages) -> None:
-    """Count the extension's images and text; the message structure itself is the compiler's check.
+    """Count the extension's images and text; the message structure is `_valid_message_list`'s check.
 
-    Walks tolerantly: shapes the compiler refuses are skipped here, so its field paths stay the
-    ones a client sees for them.
+    Walks tolerantly: shapes `_valid_message_list` refuses are skipped here, so its field paths
+    stay the ones a client sees for them.
     """
     if not isinstance(messages, list):
         return
