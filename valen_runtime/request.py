@@ -1,22 +1,20 @@
 """Wire request -> token ids, pixels and readout positions (docs/valen-model.md).
 
-`Compiler.compile(request)` validates a /v1/systemone request (docs/wire-contract.md), builds the
-shared state prefix the way transformers 5.4.0's `apply_chat_template(..., tokenize=True)` does,
-and appends each branch's suffix segment by segment, recording candidate and decision positions.
-Nothing here runs a model; every expected failure is a RequestError naming the JSON path.
+`Compiler.compile(request)` validates a /v1/systemone request with `wire.validate_request` (the one
+validator, docs/wire-contract.md) and compiles the ValidRequest it returns: it builds the shared
+state prefix the way transformers 5.4.0's `apply_chat_template(..., tokenize=True)` does, and
+appends each branch's suffix segment by segment, recording candidate and decision positions.
+Nothing here runs a model; what it refuses (a RequestError naming the JSON path) needs the pixels
+or the export: an image that does not decode, the chat template's refusal, max_length.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import math
-import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -38,9 +36,12 @@ from .image import (
     resize_for_patches,
     stack_images,
 )
+from .decode_pool import shared_decode_pool
+from .phases import PHASES, Phases  # noqa: F401  (PHASES: re-exported for callers)
 from .tokenizer import Tokenizer
 
-# The wire contract (limits, strict JSON, request shape) lives in wire.py; re-exported for callers.
+# The wire contract (limits, strict JSON, every check of a request) lives in wire.py: the compiler
+# compiles what `validate_request` returns. Re-exported for callers.
 from .wire import (  # noqa: F401
     MAX_BODY,
     MAX_MESSAGE_IMAGES,
@@ -51,29 +52,18 @@ from .wire import (  # noqa: F401
     MAX_TEXT,
     MIN_SCORE_LEVELS,
     MODEL_NAME,
+    NOUL_CANDIDATES,
+    QUESTION_TYPES,
+    ImagePart,
+    Message,
+    TextPart,
+    ValidQuestion,
+    ValidRequest,
     parse_request_bytes,
     validate_request,
 )
 
 DEFAULT_MAX_LENGTH = 8192
-
-QUESTION_TYPES = ("choice", "noul", "score")
-# Fixed noul candidates, byte for byte as in Valen's schema.py (docs/valen-model.md).
-NOUL_CANDIDATES = (
-    ("true", "True / \u662f\uff1a\u6ee1\u8db3\u95ee\u9898\u4e2d\u7684\u6761\u4ef6\u3002"),
-    ("false", "False / \u5426\uff1a\u4e0d\u6ee1\u8db3\u95ee\u9898\u4e2d\u7684\u6761\u4ef6\u3002"),
-)
-# What `Compiler.compile(..., timings=)` reports, seconds per phase. On the calling thread: json
-# (compile_bytes only), validate (the wire contract and the questions' text), state_parse (state
-# shape, base64), image_open (headers and limits, and starting each decode), template (chat
-# template), tokenize (tokenizer, image-token expansion and types), image_wait (blocked on the
-# decode threads), on_images (the caller's callback), questions (branch layout). Where the images
-# were decoded, summed over them: decode (PIL: inflate, unfilter, EXIF turn, RGB), to_tensor (the
-# copy out of PIL), resize.
-PHASES = ("json", "validate", "state_parse", "image_open", "template", "tokenize", "image_wait", "on_images",
-          "questions", "decode", "to_tensor", "resize")
-_DATA_URL_PREFIXES = {"data:image/png;base64,": "png", "data:image/jpeg;base64,": "jpeg"}
-_ROLES = ("user", "assistant", "system")
 
 
 @dataclass
@@ -151,27 +141,6 @@ class CompiledRequest:
 
 
 @dataclass
-class _Candidate:
-    key: str
-    description: str
-
-
-@dataclass
-class _ParsedQuestion:
-    qid: str
-    kind: str
-    instructions: str
-    candidates: list[_Candidate]
-
-
-@dataclass
-class _ImageItem:
-    data: bytes
-    mime_format: str
-    field: str
-
-
-@dataclass
 class _PreparedImage:
     batch: torch.Tensor  # resized uint8 [1, C, H, W]
     grid: tuple[int, int, int]
@@ -187,52 +156,10 @@ class _PendingImage:
         return self.result.result() if isinstance(self.result, Future) else self.result
 
 
-class _Phases:
-    """Adds the wall-clock seconds since the last lap to `timings[name]`; nothing when it is None."""
-
-    def __init__(self, timings: dict | None):
-        self.timings = timings
-        self.last = time.perf_counter() if timings is not None else 0.0
-
-    def lap(self, name: str) -> None:
-        if self.timings is not None:
-            now = time.perf_counter()
-            self.timings[name] = self.timings.get(name, 0.0) + (now - self.last)
-            self.last = now
-
-    def add(self, seconds: dict[str, float]) -> None:
-        if self.timings is not None:
-            for name, value in seconds.items():
-                self.timings[name] = self.timings.get(name, 0.0) + value
-
-
-# Images decode on these threads while the calling thread tokenizes: PIL's decoders, zlib and
-# torch's resize run without the GIL. One per image a request may carry; shared by every compiler.
-_DECODE_THREADS = MAX_MESSAGE_IMAGES
 # One image with a short text decodes on the calling thread: handing it to a pool thread costs
 # about 0.1 ms (request (a), docs/benchmarks.md), and the tokenizer needs about 0.22 us a
 # character (request (c)), so overlap pays from some 500 characters; 1000 keeps a margin.
 _OVERLAP_MIN_TEXT_CHARS = 1000
-_decode_pool: ThreadPoolExecutor | None = None
-_decode_pool_lock = threading.Lock()
-
-
-def _shared_decode_pool() -> ThreadPoolExecutor:
-    global _decode_pool
-    with _decode_pool_lock:
-        if _decode_pool is None:
-            _decode_pool = ThreadPoolExecutor(max_workers=_DECODE_THREADS, thread_name_prefix="valen-image")
-        return _decode_pool
-
-
-def _forget_decode_pool_after_fork() -> None:
-    # A forked child inherits the pool object but not its threads: start a fresh one there.
-    global _decode_pool, _decode_pool_lock
-    _decode_pool, _decode_pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_decode_pool_after_fork)
 
 
 class Compiler:
@@ -298,7 +225,7 @@ class Compiler:
 
     def compile_bytes(self, data: bytes, on_images: Callable[[ImageInputs], None] | None = None,
                       timings: dict | None = None) -> CompiledRequest:
-        phases = _Phases(timings)
+        phases = Phases(timings)
         request = parse_request_bytes(data)
         phases.lap("json")
         return self.compile(request, on_images, timings)
@@ -312,14 +239,21 @@ class Compiler:
             starts the vision tower there. The state's text is tokenized while the images decode.
         timings: when given, seconds per phase are added to it (see `PHASES`).
         """
-        phases = _Phases(timings)
-        request = validate_request(request)  # the wire contract (keys, model, shapes, limits), then what needs the export
-        questions = self._parse_questions(request["questions"])
+        phases = Phases(timings)
+        valid = validate_request(request, self.tokenizer.reserved_strings)  # the whole contract: wire.py
         phases.lap("validate")
-        messages, images = self._parse_state(request["state"])
+        return self._compile_valid(valid, on_images, phases)
+
+    def _compile_valid(self, valid: ValidRequest, on_images: Callable[[ImageInputs], None] | None,
+                       phases: Phases) -> CompiledRequest:
+        """A request `validate_request` returned (with this compiler's reserved tokens) -> token
+        ids, pixels and positions. What is refused here needs the export or the pixels: an image
+        that does not decode or is past ImageLimits, a prompt past max_length."""
+        messages = [_template_message(message) for message in valid.messages]
+        images = valid.images
         phases.lap("state_parse")
         state = self._encode_state(messages, images, on_images, phases)
-        compiled = [self._compile_question(q, len(state.input_ids)) for q in questions]
+        compiled = [self._compile_question(q, len(state.input_ids)) for q in valid.questions]
         phases.lap("questions")
         base = len(state.input_ids)
         suffix_total = sum(len(b.suffix_ids) for q in compiled for b in q.branches)
@@ -332,148 +266,16 @@ class Compiler:
             compute_tokens=branch_count * base + suffix_total,
         )
 
-    # ---------------------------------------------------------------- validation
-
-    def _check_text(self, value, field: str, *, what: str = "text") -> str:
-        if not isinstance(value, str):
-            raise RequestError(field, f"{what} must be a string")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise RequestError(field, "contains an unpaired surrogate; not valid Unicode text") from exc
-        for token in self.tokenizer.reserved_strings:
-            if token in value:
-                raise RequestError(field, f"contains the reserved control token {token}")
-        return value
-
-    def _parse_questions(self, questions: dict) -> list[_ParsedQuestion]:
-        """Questions that passed the wire contract (validate_request: shapes, names, limits); what
-        is left needs the export: control tokens in the text that enters the prompt, and the
-        candidate lists."""
-        parsed = []
-        for qid, question in questions.items():
-            field = f"questions.{qid}"
-            instructions = self._check_text(question["instructions"], f"{field}.instructions", what="instructions")
-            candidates = self._parse_criteria(question["type"], question.get("criteria"), f"{field}.criteria")
-            parsed.append(_ParsedQuestion(qid, question["type"], instructions, candidates))
-        return parsed
-
-    def _parse_criteria(self, kind: str, criteria, field: str) -> list[_Candidate]:
-        if kind == "noul":
-            return [_Candidate(key, description) for key, description in NOUL_CANDIDATES]
-        if kind == "choice":
-            result = []
-            for key, description in criteria.items():
-                item_field = f"{field}.{key}"
-                self._check_text(key, item_field, what="option key")
-                if description is None:
-                    description = key  # a null criterion defaults to its key
-                result.append(_Candidate(key, self._check_text(description, item_field, what="description")))
-            return result
-        # score: level i is grade i
-        return [_Candidate(str(i), self._check_text(d, f"{field}[{i}]", what="description")) for i, d in enumerate(criteria)]
-
-    def _parse_state(self, state) -> tuple[list[dict], list[_ImageItem]]:
-        """State -> chat messages (Valen's shape after media rewriting) and the images in order."""
-        if isinstance(state, str):
-            self._check_text(state, "state", what="state")
-            if not state.strip():
-                raise RequestError("state", "must not be empty or whitespace-only")
-            return [{"role": "user", "content": [{"type": "text", "text": state}]}], []
-        if isinstance(state, dict) and list(state) == ["image"]:
-            image = self._parse_data_url(state["image"], "state.image")
-            return [{"role": "user", "content": [{"type": "image"}]}], [image]
-        if isinstance(state, dict) and list(state) == ["messages"]:
-            return self._parse_messages(state["messages"])
-        if isinstance(state, (dict, list)):
-            try:
-                text = json.dumps(state, ensure_ascii=False, allow_nan=False)
-            except RecursionError as exc:
-                raise RequestError("state", "nested too deeply") from exc
-            except (TypeError, ValueError) as exc:
-                raise RequestError("state", f"cannot be serialised as JSON ({exc})") from exc
-            self._check_text(text, "state", what="state")
-            return [{"role": "user", "content": [{"type": "text", "text": text}]}], []
-        raise RequestError("state", "must be text, a JSON object or array, {image: data URL} or {messages: [...]}")
-
-    def _parse_messages(self, messages) -> tuple[list[dict], list[_ImageItem]]:
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("state.messages", "must be a non-empty list of messages")
-        result, images = [], []
-        for index, message in enumerate(messages):
-            field = f"state.messages[{index}]"
-            if not isinstance(message, dict):
-                raise RequestError(field, "must be an object with role and content")
-            for key in message:
-                if key not in ("role", "content"):
-                    raise RequestError(f"{field}.{key}", "unknown field; allowed: role, content")
-            role = message.get("role")
-            if role not in _ROLES:
-                raise RequestError(f"{field}.role", f"must be one of {', '.join(_ROLES)}")
-            content = message.get("content")
-            if isinstance(content, str):
-                self._check_text(content, f"{field}.content")
-                result.append({"role": role, "content": [{"type": "text", "text": content}]})
-                continue
-            if not isinstance(content, list) or not content:
-                raise RequestError(f"{field}.content", "must be a string or a non-empty list of items")
-            items = []
-            for item_index, item in enumerate(content):
-                item_field = f"{field}.content[{item_index}]"
-                if not isinstance(item, dict):
-                    raise RequestError(item_field, "must be an object with a type")
-                kind = item.get("type")
-                if kind == "text":
-                    _only_keys(item, ("type", "text"), item_field)
-                    items.append({"type": "text", "text": self._check_text(item.get("text"), f"{item_field}.text")})
-                elif kind in ("image_url", "image"):
-                    _only_keys(item, ("type", kind), item_field)
-                    url = item.get(kind)
-                    url_field = f"{item_field}.{kind}"
-                    if isinstance(url, dict):
-                        _only_keys(url, ("url",), url_field)
-                        url, url_field = url.get("url"), f"{url_field}.url"
-                    images.append(self._parse_data_url(url, url_field))
-                    if len(images) > MAX_MESSAGE_IMAGES:
-                        raise RequestError(item_field, f"at most {MAX_MESSAGE_IMAGES} images per request")
-                    items.append({"type": "image"})
-                elif kind in ("video", "video_url"):
-                    raise RequestError(f"{item_field}.type", "video input is not supported")
-                else:
-                    raise RequestError(f"{item_field}.type", "must be text, image_url or image")
-            result.append({"role": role, "content": items})
-        return result, images
-
-    def _parse_data_url(self, url, field: str) -> _ImageItem:
-        if not isinstance(url, str):
-            raise RequestError(field, "must be a data:image/png;base64,… or data:image/jpeg;base64,… URL")
-        for prefix, mime_format in _DATA_URL_PREFIXES.items():
-            if url.startswith(prefix):
-                payload = url[len(prefix):]
-                break
-        else:
-            raise RequestError(field, "must be a data:image/png;base64,… or data:image/jpeg;base64,… URL")
-        limit = self.image_limits.max_bytes
-        if len(payload) > 4 * ((limit + 2) // 3):
-            raise RequestError(field, f"image is larger than {limit} bytes")
-        try:
-            data = base64.b64decode(payload.encode("ascii"), validate=True)
-        except (binascii.Error, UnicodeEncodeError, ValueError) as exc:
-            raise RequestError(field, "invalid base64 payload") from exc
-        if not data:
-            raise RequestError(field, "empty image")
-        return _ImageItem(data, mime_format, field)
-
     # ---------------------------------------------------------------- encoding
 
-    def _encode_state(self, messages: list[dict], images: list[_ImageItem],
+    def _encode_state(self, messages: list[dict], images: list[ImagePart],
                       on_images: Callable[[ImageInputs], None] | None = None,
-                      phases: _Phases | None = None) -> StateInputs:
+                      phases: Phases | None = None) -> StateInputs:
         """Images decode on the pool while this thread renders and tokenizes the state with the
         grids the headers predict. Only each grid's token count enters the text, and an EXIF turn
         swaps height and width, which keeps it; a count that still differs re-tokenizes. Without
         the pool the images are ready first and `on_images` runs before the tokenizer."""
-        phases = phases or _Phases(None)
+        phases = phases or Phases(None)
         pending = self._start_images(images, self._worth_a_thread(messages, images))
         phases.lap("image_open")
         image_inputs = None
@@ -500,7 +302,7 @@ class Compiler:
         return StateInputs(input_ids, mm_token_type_ids, image_inputs.images, image_inputs.grid_thw, self.image_config)
 
     def _hand_over_images(self, pending: list[_PendingImage], on_images: Callable[[ImageInputs], None] | None,
-                          phases: _Phases) -> ImageInputs | None:
+                          phases: Phases) -> ImageInputs | None:
         """Wait for the decodes (in order; the first error is raised) and call `on_images` with
         them; None for a text state."""
         prepared = _results(pending)
@@ -516,7 +318,7 @@ class Compiler:
             phases.lap("on_images")
         return image_inputs
 
-    def _worth_a_thread(self, messages: list[dict], images: list[_ImageItem]) -> bool:
+    def _worth_a_thread(self, messages: list[dict], images: list[ImagePart]) -> bool:
         """Whether to decode on the pool: always or never if the compiler was told; by default when
         the images can decode side by side or the text takes long enough to tokenize."""
         if self.decode_in_thread is not None:
@@ -526,9 +328,9 @@ class Compiler:
         text_chars = sum(len(item["text"]) for message in messages for item in message["content"] if item["type"] == "text")
         return bool(images) and text_chars >= _OVERLAP_MIN_TEXT_CHARS
 
-    def _start_images(self, images: list[_ImageItem], in_threads: bool) -> list[_PendingImage]:
+    def _start_images(self, images: list[ImagePart], in_threads: bool) -> list[_PendingImage]:
         """Check each header (in order, on this thread) and start its decode; [] for text states."""
-        pool = _shared_decode_pool() if in_threads else None
+        pool = shared_decode_pool() if in_threads else None
         pending: list[_PendingImage] = []
         for image in images:
             try:
@@ -639,7 +441,7 @@ class Compiler:
         expanded += ids[start:]
         return expanded
 
-    def _compile_question(self, question: _ParsedQuestion, base_length: int) -> Question:
+    def _compile_question(self, question: ValidQuestion, base_length: int) -> Question:
         encode = self._encode_piece
         if question.kind == "score":
             groups = [[candidate] for candidate in question.candidates]  # one grade per branch
@@ -680,7 +482,7 @@ def _results(pending: list[_PendingImage]) -> list[_PreparedImage]:
     return [item.wait() for item in pending]
 
 
-def _only_keys(item: dict, allowed: tuple[str, ...], field: str) -> None:
-    for key in item:
-        if key not in allowed:
-            raise RequestError(f"{field}.{key}", f"unknown field; allowed: {', '.join(allowed)}")
+def _template_message(message: Message) -> dict:
+    """A validated message in the chat template's shape (Valen's, after media rewriting)."""
+    content = [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"} for part in message.content]
+    return {"role": message.role, "content": content}

@@ -4,11 +4,14 @@
 - bounded reading (`read_limited`, `read_request_source`): never more than a limit + 1 byte;
 - strict JSON (`parse_request_bytes`): UTF-8, no duplicate keys, no NaN / Infinity, no lone
   surrogates, no nesting deeper than MAX_DEPTH;
-- the request's shape and limits (`validate_request`), which returns the request in canonical
-  form: instructions and descriptions sent as JSON objects or arrays become their JSON text;
+- the request's shape and limits (`check_request`), which returns the request in canonical form:
+  instructions and descriptions sent as JSON objects or arrays become their JSON text;
+- every further check of a request (`validate_request`): the text that enters the prompt, the
+  message structure, the images' base64; it returns a typed `ValidRequest`, all the compiler reads;
 - the response body (`response_body`): answers in the upstream worker's key order.
 
-Checks that need the export (special tokens, image decoding, max_length) stay in the compiler.
+This is the only validator. What the compiler can still refuse needs the pixels or the export:
+an image's header and decode, the chat template's own refusal, max_length.
 Every refusal is a RequestError naming the JSON path; `http_status` maps it to the worker's code:
 BodyError 400 (the body is not a usable JSON object), TooLarge 413 (body or image over its byte
 limit), anything else 422.
@@ -16,11 +19,14 @@ limit), anything else 422.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Iterable, Union
 
 from .errors import RequestError
 from .image import MAX_ASPECT_RATIO, MAX_IMAGE_BYTES, MAX_PIXELS, MAX_SIDE
@@ -45,13 +51,22 @@ MAX_MESSAGE_IMAGES = 4
 MAX_DEPTH = 512
 
 QUESTION_TYPES = ("choice", "noul", "score")
-DATA_URL_PREFIXES = ("data:image/png;base64,", "data:image/jpeg;base64,")
+# Each accepted data URL prefix and the image format its payload must decode as.
+DATA_URL_FORMATS = {"data:image/png;base64,": "png", "data:image/jpeg;base64,": "jpeg"}
+DATA_URL_PREFIXES = tuple(DATA_URL_FORMATS)
+ROLES = ("user", "assistant", "system")
+# Fixed noul candidates, byte for byte as in Valen's schema.py (docs/valen-model.md).
+NOUL_CANDIDATES = (
+    ("true", "True / \u662f\uff1a\u6ee1\u8db3\u95ee\u9898\u4e2d\u7684\u6761\u4ef6\u3002"),
+    ("false", "False / \u5426\uff1a\u4e0d\u6ee1\u8db3\u95ee\u9898\u4e2d\u7684\u6761\u4ef6\u3002"),
+)
 
 __all__ = [
     "MODEL_NAME", "MAX_BODY", "MAX_IMAGE_BYTES", "MAX_PIXELS", "MAX_SIDE", "MAX_ASPECT_RATIO", "MAX_QUESTIONS",
     "MAX_OPTIONS", "MAX_TEXT", "MAX_NAME", "MIN_SCORE_LEVELS", "MAX_SCORE_LEVELS", "MAX_MESSAGE_IMAGES", "MAX_DEPTH",
     "BodyError", "TooLarge", "http_status", "read_limited", "read_request_source", "parse_request_bytes",
-    "validate_request", "decode_request", "response_body", "encode_response",
+    "check_request", "validate_request", "decode_request", "response_body", "encode_response",
+    "ValidRequest", "Message", "TextPart", "ImagePart", "ValidQuestion", "Candidate", "NOUL_CANDIDATES",
 ]
 
 
@@ -157,20 +172,95 @@ def _check_depth(value) -> None:
 
 
 def decode_request(data: bytes) -> dict:
-    """Bytes -> a validated request in canonical form (what every entry point hands the engine)."""
-    return validate_request(parse_request_bytes(data))
+    """Bytes -> the request in canonical form, checked against the contract's shape and limits
+    (`check_request`): what every entry point runs before queueing a request for the engine."""
+    return check_request(parse_request_bytes(data))
+
+
+# ---------------------------------------------------------------- the validated request
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """An image of the state: its data URL's payload, base64-decoded (the header and pixels are
+    the compiler's to decode). `field` is the JSON path decode errors name."""
+
+    mime_format: str  # png | jpeg, from the data URL's prefix
+    data: bytes
+    field: str
+
+
+ContentPart = Union[TextPart, ImagePart]
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # user | assistant | system
+    content: tuple[ContentPart, ...]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    key: str  # choice: the option key; score: the grade "0", "1", ...; noul: true / false
+    description: str
+
+
+@dataclass(frozen=True)
+class ValidQuestion:
+    qid: str
+    kind: str  # choice | noul | score
+    instructions: str
+    candidates: tuple[Candidate, ...]  # in the request's order
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request that passed every check of the contract: what the compiler compiles.
+
+    Every state is a list of chat messages: text (and a JSON state, as its JSON text) is one user
+    message with one text part, an image state one user message with one image part.
+    """
+
+    model: str
+    messages: tuple[Message, ...]
+    questions: tuple[ValidQuestion, ...]
+
+    @property
+    def images(self) -> list[ImagePart]:
+        """The state's images in prompt order."""
+        return [part for message in self.messages for part in message.content if isinstance(part, ImagePart)]
 
 
 # ---------------------------------------------------------------- shape and limits
 
 
-def validate_request(request) -> dict:
-    """Check a parsed request against the contract; return it in canonical form (a new dict).
+def validate_request(request, reserved_tokens: Iterable[str] = ()) -> ValidRequest:
+    """Check a parsed request against the whole contract and return it typed (a ValidRequest).
+
+    reserved_tokens: strings no text that enters the prompt may hold (the export's control
+    tokens; `Compiler` passes its tokenizer's). Checks run in a fixed order, so a request with
+    several problems is always refused for the same one: the shape and limits (`check_request`),
+    then the questions' text, then the state's messages and images.
+    """
+    canonical = check_request(request)
+    reserved = tuple(reserved_tokens)
+    questions = tuple(_valid_question(qid, question, reserved) for qid, question in canonical["questions"].items())
+    return ValidRequest(MODEL_NAME, _valid_messages(canonical["state"], reserved), questions)
+
+
+def check_request(request) -> dict:
+    """The request's shape and limits, from its JSON alone; returns it in canonical form (a new dict).
 
     Canonical form: instructions and choice descriptions sent as JSON objects or arrays become
     their JSON text, as the upstream worker reads them (Valen's prompt takes text there);
-    everything else is as sent (an object state is serialised by the compiler, a null description
-    means its key there). Nothing is tokenized or decoded here.
+    everything else is as sent (an object state becomes its JSON text, and a null description its
+    key, in `validate_request`'s result). Nothing is decoded here: the message structure, the
+    text's control tokens and the images' base64 are `validate_request`'s further checks.
     """
     if not isinstance(request, dict):
         raise BodyError("body", "the request must be a JSON object")
@@ -263,7 +353,7 @@ def _criteria(kind: str, criteria, field: str):
             _name(key, item_field, "option key")
             if not key.strip():
                 raise RequestError(item_field, "option key must not be only whitespace")
-            if description is not None:  # null means the key (the compiler substitutes it)
+            if description is not None:  # null means the key (_valid_question substitutes it)
                 description = _as_text(description, item_field, "description")
                 if not description.strip():
                     raise RequestError(item_field, "description must be non-empty text")
@@ -307,13 +397,13 @@ def _state(state):
         _check_messages(state["messages"])
         return state
     if isinstance(state, (dict, list)):
-        _check_text_state(_as_text(state, "state", "state"))  # limited as the JSON text the compiler builds
+        _check_text_state(_as_text(state, "state", "state"))  # limited as the JSON text the prompt holds
         return state
     raise RequestError("state", "must be text, a JSON object or array, {image: data URL} or {messages: [...]}")
 
 
 def _check_image_url(url, field: str) -> None:
-    """Prefix and byte size of a data URL, from its length alone (decoding is the compiler's)."""
+    """Prefix and byte size of a data URL, from its length alone (`_image_part` decodes it)."""
     if not isinstance(url, str) or not url.startswith(DATA_URL_PREFIXES):
         raise RequestError(field, "must be a data:image/png;base64,… or data:image/jpeg;base64,… URL")
     payload = url.split(",", 1)[1]
@@ -326,10 +416,10 @@ def _check_image_url(url, field: str) -> None:
 
 
 def _check_messages(messages) -> None:
-    """Count the extension's images and text; the message structure itself is the compiler's check.
+    """Count the extension's images and text; the message structure is `_valid_message_list`'s check.
 
-    Walks tolerantly: shapes the compiler refuses are skipped here, so its field paths stay the
-    ones a client sees for them.
+    Walks tolerantly: shapes `_valid_message_list` refuses are skipped here, so its field paths
+    stay the ones a client sees for them.
     """
     if not isinstance(messages, list):
         return
@@ -358,6 +448,120 @@ def _check_messages(messages) -> None:
                     _check_image_url(url, url_field)
     if chars > MAX_TEXT:
         raise RequestError("state.messages", f"the messages' text is {chars} characters; the limit is {MAX_TEXT}")
+
+
+# ---------------------------------------------------------------- text, messages and images
+
+
+def _prompt_text(value, field: str, reserved: tuple[str, ...], what: str = "text") -> str:
+    """Text that enters the prompt: a string of valid Unicode holding none of the reserved tokens."""
+    if not isinstance(value, str):
+        raise RequestError(field, f"{what} must be a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(field, "contains an unpaired surrogate; not valid Unicode text") from exc
+    for token in reserved:
+        if token in value:
+            raise RequestError(field, f"contains the reserved control token {token}")
+    return value
+
+
+def _valid_question(qid: str, question: dict, reserved: tuple[str, ...]) -> ValidQuestion:
+    """A canonical question (`check_request`) with its text checked and its candidates listed."""
+    field = f"questions.{qid}"
+    kind = question["type"]
+    instructions = _prompt_text(question["instructions"], f"{field}.instructions", reserved, "instructions")
+    field = f"{field}.criteria"
+    if kind == "noul":
+        candidates = [Candidate(key, description) for key, description in NOUL_CANDIDATES]
+    elif kind == "choice":
+        candidates = []
+        for key, description in question["criteria"].items():
+            item_field = f"{field}.{key}"
+            _prompt_text(key, item_field, reserved, "option key")
+            if description is None:
+                description = key  # a null criterion defaults to its key
+            candidates.append(Candidate(key, _prompt_text(description, item_field, reserved, "description")))
+    else:  # score: level i is grade i
+        candidates = [Candidate(str(i), _prompt_text(d, f"{field}[{i}]", reserved, "description"))
+                      for i, d in enumerate(question["criteria"])]
+    return ValidQuestion(qid, kind, instructions, tuple(candidates))
+
+
+def _valid_messages(state, reserved: tuple[str, ...]) -> tuple[Message, ...]:
+    """A state that passed `check_request` -> its chat messages, text checked and images decoded."""
+    if isinstance(state, dict) and list(state) == ["image"]:
+        return (Message("user", (_image_part(state["image"], "state.image"),)),)
+    if isinstance(state, dict) and list(state) == ["messages"]:
+        return _valid_message_list(state["messages"], reserved)
+    text = state if isinstance(state, str) else json.dumps(state, ensure_ascii=False, allow_nan=False)
+    return (Message("user", (TextPart(_prompt_text(text, "state", reserved, "state")),)),)
+
+
+def _valid_message_list(messages, reserved: tuple[str, ...]) -> tuple[Message, ...]:
+    """The message structure, in order. Runs after `_check_messages` counted the images and the
+    text, so those limits are refused first wherever in the list they are passed."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("state.messages", "must be a non-empty list of messages")
+    result = []
+    for index, message in enumerate(messages):
+        field = f"state.messages[{index}]"
+        if not isinstance(message, dict):
+            raise RequestError(field, "must be an object with role and content")
+        _only_keys(message, ("role", "content"), field)
+        role = message.get("role")
+        if role not in ROLES:
+            raise RequestError(f"{field}.role", f"must be one of {', '.join(ROLES)}")
+        content = message.get("content")
+        if isinstance(content, str):
+            result.append(Message(role, (TextPart(_prompt_text(content, f"{field}.content", reserved)),)))
+            continue
+        if not isinstance(content, list) or not content:
+            raise RequestError(f"{field}.content", "must be a string or a non-empty list of items")
+        parts: list[ContentPart] = []
+        for item_index, item in enumerate(content):
+            item_field = f"{field}.content[{item_index}]"
+            if not isinstance(item, dict):
+                raise RequestError(item_field, "must be an object with a type")
+            kind = item.get("type")
+            if kind == "text":
+                _only_keys(item, ("type", "text"), item_field)
+                parts.append(TextPart(_prompt_text(item.get("text"), f"{item_field}.text", reserved)))
+            elif kind in ("image_url", "image"):
+                _only_keys(item, ("type", kind), item_field)
+                url = item.get(kind)
+                url_field = f"{item_field}.{kind}"
+                if isinstance(url, dict):
+                    _only_keys(url, ("url",), url_field)
+                    url, url_field = url.get("url"), f"{url_field}.url"
+                parts.append(_image_part(url, url_field))
+            elif kind in ("video", "video_url"):
+                raise RequestError(f"{item_field}.type", "video input is not supported")
+            else:
+                raise RequestError(f"{item_field}.type", "must be text, image_url or image")
+        result.append(Message(role, tuple(parts)))
+    return tuple(result)
+
+
+def _only_keys(item: dict, allowed: tuple[str, ...], field: str) -> None:
+    for key in item:
+        if key not in allowed:
+            raise RequestError(f"{field}.{key}", f"unknown field; allowed: {', '.join(allowed)}")
+
+
+def _image_part(url, field: str) -> ImagePart:
+    """A data URL -> its format and decoded bytes (its size was checked by `_check_image_url`)."""
+    prefix = next((p for p in DATA_URL_PREFIXES if url.startswith(p)), None) if isinstance(url, str) else None
+    if prefix is None:
+        raise RequestError(field, "must be a data:image/png;base64,… or data:image/jpeg;base64,… URL")
+    try:
+        data = base64.b64decode(url[len(prefix):].encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError) as exc:
+        raise RequestError(field, "invalid base64 payload") from exc
+    if not data:
+        raise RequestError(field, "empty image")
+    return ImagePart(DATA_URL_FORMATS[prefix], data, field)
 
 
 # ---------------------------------------------------------------- the response

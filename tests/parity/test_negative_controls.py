@@ -132,6 +132,8 @@ def _per_branch(export, requests, references, engine=None, dtype="bf16"):
 
 
 def test_swapped_candidates_in_runtime_prompt_fail(tiny_export, control_requests, references, monkeypatch):
+    from dataclasses import replace
+
     from valen_runtime import request as rt_request
 
     original = rt_request.Compiler._compile_question
@@ -140,7 +142,7 @@ def test_swapped_candidates_in_runtime_prompt_fail(tiny_export, control_requests
         if len(question.candidates) >= 2 and question.kind == "choice":
             cands = list(question.candidates)
             cands[0], cands[1] = cands[1], cands[0]
-            out = original(self, rt_request._ParsedQuestion(question.qid, question.kind, question.instructions, cands), base_length)
+            out = original(self, replace(question, candidates=tuple(cands)), base_length)
             out.keys = [c.key for c in question.candidates]  # keys still in request order: the bug hides
             out.descriptions = [c.description for c in question.candidates]
             return out

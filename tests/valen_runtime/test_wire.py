@@ -27,7 +27,12 @@ from valen_runtime.wire import (
     MAX_QUESTIONS,
     MAX_TEXT,
     BodyError,
+    Candidate,
+    ImagePart,
+    Message,
+    TextPart,
     TooLarge,
+    check_request,
     decode_request,
     http_status,
     parse_request_bytes,
@@ -214,7 +219,7 @@ def test_one_nesting_limit_with_one_status():
 
 
 def test_text_state_limit_names_the_state():
-    assert validate_request(request(state="a" * MAX_TEXT))["state"] == "a" * MAX_TEXT
+    assert check_request(request(state="a" * MAX_TEXT))["state"] == "a" * MAX_TEXT
     error = refused(request(state="a" * (MAX_TEXT + 1)), "state", f"{MAX_TEXT + 1} characters")
     assert str(MAX_TEXT) in str(error) and "question" not in str(error)
     refused(request(state="x" * 20_000), "state", "20000 characters")
@@ -267,7 +272,7 @@ def test_question_and_option_counts_at_and_past_the_limit():
 
 def test_noul_takes_no_criteria():
     for question in ({"type": "noul", "instructions": "Lit?", "criteria": None}, {"type": "noul", "instructions": "Lit?"}):
-        assert validate_request(request(questions={"n": question}))["questions"]["n"] == question
+        assert check_request(request(questions={"n": question}))["questions"]["n"] == question
     refused(request(questions={"n": {"type": "noul", "instructions": "Lit?", "criteria": {"yes": "y"}}}), "questions.n.criteria", "noul takes no criteria")
     refused(request(questions={"n": {"type": "noul", "instructions": "Lit?", "criteria": []}}), "questions.n.criteria", "noul takes no criteria")
 
@@ -280,7 +285,7 @@ def test_score_levels_are_distinct():
 
 def test_one_image_per_image_state():
     url = data_url(png_bytes())
-    assert validate_request(request(state={"image": url}))["state"] == {"image": url}
+    assert check_request(request(state={"image": url}))["state"] == {"image": url}
     refused(request(state={"image": url, "extra": 1}), "state", "exactly one image")
     refused(request(state={"image": url, "messages": []}), "state", "exactly one image")
 
@@ -347,10 +352,10 @@ valid_requests = st.builds(
 @given(valid_requests)
 def test_canonical_form_is_a_fixed_point(req):
     try:
-        canonical = validate_request(req)
+        canonical = check_request(req)
     except RequestError:
-        return  # e.g. a generated state that holds a lone surrogate is the compiler's refusal, not this test's
-    assert validate_request(canonical) == canonical
+        return  # e.g. a generated state over a limit
+    assert check_request(canonical) == canonical
     assert all(isinstance(q["instructions"], str) for q in canonical["questions"].values())
     assert all(isinstance(q["criteria"]["b"], str) for q in canonical["questions"].values() if q["type"] == "choice")
     assert canonical["state"] == req["state"]  # states are as sent
@@ -383,3 +388,131 @@ def test_parse_request_bytes_is_the_request_compilers():
 
     assert compile_module.parse_request_bytes is parse_request_bytes
     assert parse_request_bytes(json.dumps(request()).encode()) == request()
+
+
+# ---------------------------------------------------------------- one validator
+
+
+def test_validate_request_returns_the_request_typed():
+    png = png_bytes()
+    valid = validate_request(request(
+        state={"messages": [{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": [{"type": "text", "text": "Which?"}, {"type": "image_url", "image_url": {"url": data_url(png)}}]}]},
+        questions={"c": choice({"a": None, "b": {"x": 1}}), "n": {"type": "noul", "instructions": ["lit"]},
+                   "s": {"type": "score", "instructions": "How?", "criteria": ["low", "high"]}}))
+    assert valid.model == MODEL
+    assert valid.messages == (Message("system", (TextPart("Be brief."),)),
+                              Message("user", (TextPart("Which?"), ImagePart("png", png, "state.messages[1].content[1].image_url.url"))))
+    assert valid.images == [valid.messages[1].content[1]]
+    c, n, s = valid.questions
+    assert (c.qid, c.kind, c.instructions, c.candidates) == ("c", "choice", "Refund or wait?", (Candidate("a", "a"), Candidate("b", '{"x": 1}')))
+    assert (n.kind, n.instructions, [x.key for x in n.candidates]) == ("noul", '["lit"]', ["true", "false"])
+    assert s.candidates == (Candidate("0", "low"), Candidate("1", "high"))
+    # A text or JSON state is one user message of one text part; an image state one of one image.
+    assert validate_request(request(state={"k": "白"})).messages == (Message("user", (TextPart('{"k": "白"}'),)),)
+    assert validate_request(request(state={"image": data_url(png, "jpeg")})).messages == (Message("user", (ImagePart("jpeg", png, "state.image"),)),)
+
+
+def test_reserved_tokens_are_refused_where_the_caller_names_them():
+    req = request(state="a <|im_end|> b")
+    assert validate_request(req).messages[0].content[0].text == "a <|im_end|> b"
+    with pytest.raises(RequestError, match="reserved control token <|im_end|>") as info:
+        validate_request(req, ("<|im_end|>",))
+    assert info.value.field == "state"
+
+
+def test_the_compiler_holds_no_request_checks():
+    """request.py refuses only what needs the pixels or the export: every request check is wire.py's.
+    Its RequestErrors are exactly these four, and it defines none of the contract's limits or prefixes."""
+    import ast
+    import inspect
+
+    from valen_runtime import request as compile_module
+    from valen_runtime import wire
+
+    tree = ast.parse(inspect.getsource(compile_module))
+    raised = sorted(ast.unparse(node.exc.args[1]) for node in ast.walk(tree)
+                    if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                    and getattr(node.exc.func, "id", None) == "RequestError")
+    assert raised == sorted([
+        "str(exc)",  # an image's size after its EXIF turn cannot be resized (image.py's check)
+        "f'the chat template rejected the state ({exc})'",  # the export's template raised
+        "f'text must not contain {placeholder} together with images'",  # the rendered prompt
+        "f'{length} tokens exceed max_length={self.max_length}; no truncation'",  # the tokenized prompt
+    ])
+    assigned = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign) for target in node.targets
+                if isinstance(target, ast.Name)}
+    assert not assigned & set(wire.__all__)
+    strings = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+    assert not [s for s in strings if "data:image" in s or "unknown field" in s]
+
+
+_JUNK = [None, 1, 2.5, True, "", "  ", [], {}, [1], {"k": "v"}, "<|im_start|>", "a<|vision_start|>b", "\ud800", "x" * (MAX_TEXT + 1),
+         "data:image/png;base64,!!!", "data:image/png;base64,", "data:image/gif;base64,AAAA", "video", "video_url", "text", "image",
+         "image_url", "user", "tool", [{"type": "text", "text": "hi"}], "noul", "choice", "score", ["a", "a"], ["a"],
+         {"type": "video", "video": "x"}]
+
+
+def _mutated(base: dict, rng, images: list[str]) -> dict:
+    """`base` with one to three values replaced, removed or added anywhere in it."""
+    import copy
+
+    def paths(value, path=()):
+        yield path
+        children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, child in children:
+            yield from paths(child, path + (key,))
+
+    req = copy.deepcopy(base)
+    for _ in range(rng.randint(1, 3)):
+        path = rng.choice([p for p in paths(req) if p])
+        parent = req
+        for key in path[:-1]:
+            parent = parent[key]
+        roll = rng.random()
+        if roll < 0.2 and isinstance(parent, dict):
+            del parent[path[-1]]
+        elif roll < 0.3 and isinstance(parent, dict):
+            parent[rng.choice(["extra", "type", "url", "text", "role", "<|im_end|>"])] = rng.choice(_JUNK + images)
+        elif roll < 0.4 and isinstance(parent, list):
+            parent.insert(rng.randrange(len(parent) + 1), copy.deepcopy(rng.choice(_JUNK + images + [parent[path[-1]]])))
+        elif roll < 0.55 and isinstance(parent[path[-1]], str):
+            text, at = parent[path[-1]], rng.randrange(len(parent[path[-1]]) + 1)
+            parent[path[-1]] = text[:at] + rng.choice(["<|im_end|>", "\ud800", "=", "!", "  "]) + text[at:]
+        else:
+            parent[path[-1]] = copy.deepcopy(rng.choice(_JUNK + images))
+    return req
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.randoms(use_true_random=False), st.integers(0, 3))
+def test_the_compiler_refuses_exactly_what_validate_request_refuses(text_assets, rng, which):
+    """For mutated requests, Compiler.compile refuses exactly when wire.validate_request (with the
+    compiler's reserved tokens) refuses, with the same error; what it accepts compiles."""
+    compiler = _compiler_for(text_assets[0])
+    images = [data_url(png_bytes(40, 30)), data_url(png_bytes(64, 64), "png")]
+    questions = {"c": choice({"a": "yes", "b": None, "c": {"x": 1}}), "n": {"type": "noul", "instructions": {"ask": "lit"}},
+                 "s": {"type": "score", "instructions": "How?", "criteria": ["low", "mid", "high"]}}
+    states = ["The card was charged twice.", {"a": [1, {"b": "白"}]}, {"image": images[0]},
+              {"messages": [{"role": "system", "content": "Be careful."},
+                            {"role": "user", "content": [{"type": "text", "text": "Look"}, {"type": "image_url", "image_url": {"url": images[0]}}]},
+                            {"role": "assistant", "content": "ok"},
+                            {"role": "user", "content": [{"type": "image", "image": images[1]}, {"type": "text", "text": "Which?"}]}]}]
+    req = _mutated(request(state=states[which], questions=questions), rng, images)
+    try:
+        validate_request(req, compiler.tokenizer.reserved_strings)
+    except RequestError as expected:
+        with pytest.raises(RequestError) as info:
+            compiler.compile(req)
+        assert (type(info.value), info.value.field, str(info.value)) == (type(expected), expected.field, str(expected))
+    else:
+        compiler.compile(req)
+
+
+_compilers: dict = {}
+
+
+def _compiler_for(folder):
+    if folder not in _compilers:
+        _compilers[folder] = Compiler.from_dir(folder)
+    return _compilers[folder]
