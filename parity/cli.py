@@ -21,6 +21,7 @@ from . import cases as cases_mod
 from . import generator, harness, runtime_adapter, tolerances
 from .errors import UsageProblem
 from .interrupts import critical, unwinding_on_signals
+from . import reference_run
 from .reference_run import start_reference
 from .runtime_adapter import EngineOptions
 
@@ -144,7 +145,7 @@ def run(
     dtypes = harness.reference_dtypes(gate, options.device.split(":")[0], fp64)
     ids = [(f"{c}/{n}", r) for c, n, r in requests]
     jobs = {}
-    with unwinding_on_signals():  # so the reference's workers and folders go on SIGTERM / SIGHUP too
+    with unwinding_on_signals(cleanup=reference_run.stop_all):  # workers and folders go on a stop signal too
         try:
             for d in dtypes:
                 start_reference(checkpoint, base, ids, device=options.device, dtype=d, valen_source=valen_source,

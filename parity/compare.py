@@ -164,10 +164,13 @@ def _answer_formula_delta(kind: str, keys: list[str], descriptions: list[str], p
     return delta, problems
 
 
-def measure_request(case: str, name: str, refs: dict, requested: str, outcome, gate: Gate, ref_pixels=None, ref_rotary=None) -> dict:
+def measure_request(case: str, name: str, refs: dict, requested: str, outcome, gate: Gate, ref_pixels=None, ref_rotary=None,
+                    temperature: float = 1.0) -> dict:
     """One request's report entry before the numeric gate: the exact checks and, per question,
     every side's logits and probabilities. `refs`: {dtype: reference record}; `outcome`: the
-    runtime's (parity.runtime_adapter.Outcome)."""
+    runtime's (parity.runtime_adapter.Outcome); `temperature`: the runtime's, at which every
+    side's probabilities are taken (Valen's calibration: softmax(logits / T)), so a runtime that
+    ignores or misapplies its temperature fails the answer-formula check."""
     ref = refs[requested]
     rt = outcome.result
     entry = {"case": case, "name": name, "checks": {}, "questions": [], "problems": []}
@@ -207,8 +210,8 @@ def measure_request(case: str, name: str, refs: dict, requested: str, outcome, g
             continue
         for dtype, rec in refs.items():
             q["logits"][dtype] = rec["logits"][i]
-            q["p"][dtype] = probabilities(rec["logits"][i])
-        q["logits"]["runtime"], q["p"]["runtime"] = rt_logits, probabilities(rt_logits)
+            q["p"][dtype] = probabilities(rec["logits"][i], temperature)
+        q["logits"]["runtime"], q["p"]["runtime"] = rt_logits, probabilities(rt_logits, temperature)
         numbers = {side: answer_numbers(rq["kind"], p) for side, p in q["p"].items()}
         q["decision"] = {side: rq["keys"][n["mode"]] for side, n in numbers.items()}
         q["margin"] = {side: top_two_margin(p) for side, p in q["p"].items() if side != "runtime"}
@@ -242,9 +245,10 @@ def measured_questions(entries: list[dict]) -> list[dict]:
     return [q for e in entries for q in e["questions"] if "runtime" in q.get("p", {})]
 
 
-def bf16_error(refs: dict, ids: list[str]) -> float | None:
-    """E_bf16: the bf16 reference's largest |Δp| against the fp32 reference over the requests `ids`
-    (from the references alone; None when either dtype did not run). `refs`: {dtype: ReferenceRun}."""
+def bf16_error(refs: dict, ids: list[str], temperature: float = 1.0) -> float | None:
+    """E_bf16: the bf16 reference's largest |Δp| against the fp32 reference over the requests `ids`,
+    probabilities at `temperature` (from the references alone; None when either dtype did not
+    run). `refs`: {dtype: ReferenceRun}."""
     if "bf16" not in refs or "fp32" not in refs:
         return None
     worst = None
@@ -253,7 +257,7 @@ def bf16_error(refs: dict, ids: list[str]) -> float | None:
         if not (lo["ok"] and hi["ok"]):
             continue
         for a, b in zip(lo["logits"], hi["logits"]):
-            e = max(abs_errors(probabilities(a), probabilities(b)))
+            e = max(abs_errors(probabilities(a, temperature), probabilities(b, temperature)))
             worst = e if worst is None else max(worst, e)
     return worst
 

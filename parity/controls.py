@@ -16,6 +16,8 @@ the gate to fail it.
 - probabilities-swap: Engine.run attaches the first question's first two probabilities to each
   other's keys.
 - resize-half-up: the runtime's smart_resize rounds side / factor half up instead of half to even.
+- temperature-ignored: the engine answers at temperature 1 whatever its options say (the gate's
+  configuration at a temperature other than 1 must catch it).
 """
 
 from __future__ import annotations
@@ -119,6 +121,18 @@ def probabilities_swapped():
     return faults.replaced("probabilities", make)
 
 
+def temperature_ignored():
+    """The engine's softmax at temperature 1 whatever its options say (a calibration never applied)."""
+
+    def make(batch_probabilities):
+        def at_one(logits, counts, temperature=1.0):
+            return batch_probabilities(logits, counts, 1.0)
+
+        return at_one
+
+    return faults.replaced("probabilities", make)
+
+
 def resize_rounding_half_up():
     """smart_resize with side / factor rounded half up (floor(x + 0.5)) instead of half to even."""
 
@@ -174,6 +188,8 @@ CONTROLS = (
             lambda lora, options: True, lambda rid, req: any(len(q.get("criteria") or [0, 0]) >= 2 for q in req["questions"].values())),
     Control("resize-half-up", "smart_resize rounding side / factor half up", resize_rounding_half_up, False,
             lambda lora, options: True, lambda rid, req: "-half" in rid),
+    Control("temperature-ignored", "the engine's probabilities at temperature 1 whatever its options say", temperature_ignored, False,
+            lambda lora, options: options.temperature != 1.0, lambda rid, req: True),
 )
 BY_NAME = {c.name: c for c in CONTROLS}
 

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import compare, generator, harness, runtime_adapter, tolerances
+from . import compare, generator, harness, reference_run, runtime_adapter, tolerances
 from . import controls as controls_mod
 from .cli import check_device, needed_runs, select_gate
 from .errors import UsageProblem
@@ -53,7 +53,14 @@ class Config:
         parts = [self.lora, o.dtype, o.mode] + ([o.kernels] if o.mode == "shared-prefix" or o.kernels != "torch" else [])
         if o.device.startswith("cuda") and o.mode == "shared-prefix" and not o.graphs:
             parts.append("no-graphs")
+        if o.temperature != 1.0:
+            parts.append(f"t{o.temperature:g}")
         return "-".join(parts)
+
+
+# A calibrated temperature, as the Preview's calibration file carries one: at 1 dividing,
+# multiplying and ignoring it agree, so the gate also judges one configuration away from 1.
+GATE_TEMPERATURE = 0.7
 
 
 def configurations(device: str, kernels: str | None = None, graphs: bool | None = None) -> list[Config]:
@@ -67,6 +74,8 @@ def configurations(device: str, kernels: str | None = None, graphs: bool | None 
                         # The fast path's code (fused layers run eagerly) in CUDA's default one-pass
                         # layout (the engine plans it for the fast path on the CPU).
                         Config(lora, runtime_options("cpu", dtype, "shared-prefix", kernels="fast"))]
+            if lora == "separate":
+                out.append(Config(lora, runtime_options("cpu", "bf16", "shared-prefix", kernels="fast", temperature=GATE_TEMPERATURE)))
         else:
             out.append(Config(lora, runtime_options(device, "bf16", "shared-prefix", kernels=kernels, graphs=graphs)))
     if device != "cpu":  # the merged dual check's anchor runs anyway: judge it against the truth too
@@ -354,6 +363,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    with unwinding_on_signals():  # SIGTERM / SIGHUP stop the reference workers before the gate exits
+    with unwinding_on_signals(cleanup=reference_run.stop_all):  # a stop signal stops the reference workers before the gate exits
         code = main()
     sys.exit(code)

@@ -108,7 +108,7 @@ def evaluate(setup: Setup, requests: list[tuple[str, str, dict]], refs: dict[str
     itself for an fp32 gate, else `fp32_run`) by the fp32-rounding gate against its anchor: the fp32
     reference, or `anchor` (the runtime's fp32 module-path run on the same export)."""
     ids = [f"{c}/{n}" for c, n, _ in requests]
-    bf16_err = compare.bf16_error(refs, ids)
+    bf16_err = compare.bf16_error(refs, ids, setup.options.temperature)
     out = judge_run(setup, requests, refs, gate, runtime, bf16_err)
     dual_report, dual_note = None, None
     if gate.dual is not None:
@@ -146,7 +146,8 @@ def judge_run(setup: Setup, requests, refs: dict, gate: Gate, runtime: RuntimeRu
         usable = records if all(r["ok"] for r in records.values()) else {requested: records[requested]}
         ref_run = refs[requested]
         entries.append(compare.measure_request(case, name, usable, requested, runtime.outcomes[rid], gate,
-                                               ref_pixels=ref_run.pixel_values(rid), ref_rotary=ref_run.rotary(rid)))
+                                               ref_pixels=ref_run.pixel_values(rid), ref_rotary=ref_run.rotary(rid),
+                                               temperature=setup.options.temperature))
     try:
         bounds = compare.gate_bounds(gate, bf16_err)
     except ValueError as e:

@@ -105,6 +105,16 @@ class _Shard:
     started: float = 0.0
 
 
+_LIVE: set["ReferenceJob"] = set()  # jobs whose processes or folders may still exist
+
+
+def stop_all() -> None:
+    """Stop every reference job of this process and remove its folders (the harness's backstop on a
+    stop signal: interrupts.unwinding_on_signals(cleanup=stop_all))."""
+    for job in list(_LIVE):
+        job.stop_and_remove()
+
+
 class ReferenceJob:
     """Reference worker processes for one dtype, running in the background."""
 
@@ -114,6 +124,7 @@ class ReferenceJob:
         self.cache_dir = cache_dir
         self.timeout = timeout
         self.t0 = time.perf_counter()
+        _LIVE.add(self)
 
     def wait(self) -> ReferenceRun:
         """Block until every shard finished; raises UsageProblem if the reference could not run."""
@@ -137,12 +148,15 @@ class ReferenceJob:
                 dest = Path(self.cache_dir) / shard.key
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 if not dest.exists():  # complete or absent for a reader: copied aside, then renamed
-                    partial = Path(tempfile.mkdtemp(prefix=f".{shard.key}-", dir=dest.parent))
-                    shutil.copytree(shard.out, partial, dirs_exist_ok=True)
-                    try:
-                        partial.rename(dest)
-                    except OSError:  # another process got there first
-                        shutil.rmtree(partial, ignore_errors=True)
+                    with critical():  # a signal mid-copy must not leave the partial copy in the cache
+                        partial = Path(tempfile.mkdtemp(prefix=f".{shard.key}-", dir=dest.parent))
+                        try:
+                            shutil.copytree(shard.out, partial, dirs_exist_ok=True)
+                            partial.rename(dest)
+                        except BaseException:  # another process got there first, or the copy failed
+                            shutil.rmtree(partial, ignore_errors=True)
+                            if not dest.exists():
+                                raise
                 shutil.rmtree(shard.out, ignore_errors=True)
                 directory = dest
             shard.data = _read_results(directory, shard.requests)
@@ -165,6 +179,7 @@ class ReferenceJob:
         with critical():
             self.stop()
             self.remove_temporary()
+            _LIVE.discard(self)
 
     def remove_temporary(self) -> None:
         """Delete the worker folders that are not the cache's (call once their files are read)."""

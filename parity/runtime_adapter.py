@@ -22,18 +22,20 @@ from .errors import UsageProblem
 
 
 def runtime_options(device: str | None = "cpu", dtype: str = "bf16", mode: str | None = "per-branch", kernels: str | None = None,
-                    graphs: bool | None = None, compile: bool | None = None) -> EngineOptions:
+                    graphs: bool | None = None, compile: bool | None = None, temperature: float | None = None) -> EngineOptions:
     """The runtime's EngineOptions (None: the engine's default for the device); an impossible
     combination is a usage problem (one line, exit 2)."""
     try:
-        return EngineOptions(device=device, dtype=dtype, mode=mode, kernels=kernels, graphs=graphs, compile=compile)
+        return EngineOptions(device=device, dtype=dtype, mode=mode, kernels=kernels, graphs=graphs, compile=compile, temperature=temperature)
     except ValueError as e:
         raise UsageProblem(str(e)) from None
 
 
 def with_dtype(options: EngineOptions, dtype: str) -> EngineOptions:
-    """The same runtime configuration (kernels, graphs, compile) in another dtype."""
-    return dataclasses.replace(options, dtype=dtype)
+    """The same runtime configuration (mode, kernels, graphs, compile, temperature) in another
+    dtype, with the choices that follow from the dtype (delta kernel, patch embed, layout,
+    batching) resolved afresh for it: bf16's FLA or GEMM patch embed is not fp32's."""
+    return dataclasses.replace(options, dtype=dtype, layout=None, delta_kernel=None, patch_embed=None, batching=None)
 
 
 def label(options: EngineOptions) -> str:
@@ -46,7 +48,7 @@ def label(options: EngineOptions) -> str:
 def module_path_options(options: EngineOptions) -> EngineOptions:
     """The runtime's fp32 shared-prefix run on the reference modules (no fast path, no graphs):
     the anchor of a merged export's dual check."""
-    return EngineOptions(options.device, "fp32", "shared-prefix", kernels="torch", graphs=False)
+    return EngineOptions(options.device, "fp32", "shared-prefix", kernels="torch", graphs=False, temperature=options.temperature)
 
 
 def load_engine(export: Path, options: EngineOptions):

@@ -121,3 +121,15 @@ def test_the_private_name_check_finds_what_it_must():
               "layers._fns.x\nengine.public\nother._private\n")
     assert sorted(e for e, _ in private_runtime_reaches(source)) == [
         "TextRotaryEmbedding._interleave", "engine._secret", "layers._fns", "valen_runtime.qwen35._helper"]
+
+
+def test_a_built_wheel_ships_every_package():
+    """What `pip install .` installs: every folder with an __init__.py under the three packages."""
+    from setuptools import find_packages
+
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    shipped = set(find_packages(str(REPO), include=config["tool"]["setuptools"]["packages"]["find"]["include"]))
+    present = {".".join(p.parent.relative_to(REPO).parts) for package in PACKAGES for p in (REPO / package).rglob("__init__.py")}
+    assert present <= shipped, f"not in the wheel: {sorted(present - shipped)}"

@@ -33,10 +33,22 @@ def scope(stop: Callable[[], bool]) -> Iterator[None]:
         _local.stop = previous
 
 
+@contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """No checkpoint raises inside: work that must finish whole once begun (a CUDA graph's
+    side-stream warm-up and capture, whose cache bookkeeping and stream order a raise would cut)."""
+    previous = getattr(_local, "shielded", False)
+    _local.shielded = True
+    try:
+        yield
+    finally:
+        _local.shielded = previous
+
+
 def checkpoint() -> None:
     """Raise Cancelled when this thread's scope says stop; cheap enough to call between layers."""
     stop = getattr(_local, "stop", None)
-    if stop is not None and stop() and not _inside_traced_work():
+    if stop is not None and not getattr(_local, "shielded", False) and stop() and not _inside_traced_work():
         raise Cancelled("stopped between layers: the request was abandoned")
 
 

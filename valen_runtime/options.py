@@ -55,7 +55,8 @@ class EngineOptions:
         temperature: the softmax temperature of every answer (finite, > 0); None: the
             calibration file's when one is given, else 1.0.
         calibration: a calibration JSON with a scalar "temperature" (the Preview format), read
-            once here; exclusive with temperature.
+            once here and resolved into `temperature` (the field is None afterwards, so
+            `dataclasses.replace` of resolved options works); exclusive with temperature.
     """
 
     device: str | None = None
@@ -126,7 +127,8 @@ class EngineOptions:
 
         for name, value in (("device", device), ("mode", mode), ("kernels", kernels), ("graphs", bool(graphs)), ("compile", bool(compile)),
                             ("layout", layout), ("delta_kernel", delta_kernel), ("patch_embed", patch_embed),
-                            ("batching", bool(batching)), ("temperature", float(temperature))):
+                            ("batching", bool(batching)), ("temperature", float(temperature)),
+                            ("calibration", None)):  # read once: its temperature stands for it from here on
             object.__setattr__(self, name, value)
 
     @property

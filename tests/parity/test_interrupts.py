@@ -7,6 +7,7 @@ and the Python handler then runs in the main thread at its next bytecode."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -30,9 +31,12 @@ def signal_elsewhere():
     thread.start()
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
+    os.set_blocking(read_end, False)
     previous = signal.set_wakeup_fd(write_end)
 
     def send(signum: int) -> None:
+        with contextlib.suppress(BlockingIOError):  # a byte left by a signal whose handler raised before the read below
+            os.read(read_end, 64)
         signal.pthread_kill(thread.ident, signum)
         # The C handler writes the byte as it runs; the 30 s guard turns a set-up where no handler
         # runs (an ignored signal) into a failure instead of a hang.
@@ -61,11 +65,37 @@ def test_a_signal_inside_a_critical_section_is_raised_at_its_end(signal_elsewher
                 reached.append("end of the section")
         assert stopped.value.code == 128 + signal.SIGTERM
         assert reached == ["after the signal", "nested", "end of the section"]
+    with unwinding_on_signals():
         with pytest.raises(SystemExit) as stopped:  # outside a section it unwinds at once
             signal_elsewhere(signal.SIGHUP)
             reached.append("not reached")
         assert stopped.value.code == 128 + signal.SIGHUP and reached[-1] == "end of the section"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+
+
+def test_a_second_signal_cannot_cut_the_cleanup_short_and_the_backstop_runs(signal_elsewhere):
+    """The first signal unwinds; one landing in the `finally` before its cleanup is dropped, and the
+    context's cleanup runs on the way out even when the body's own was pre-empted."""
+    done = []
+    with pytest.raises(SystemExit) as stopped:
+        with unwinding_on_signals(cleanup=lambda: done.append("backstop")):
+            try:
+                signal_elsewhere(signal.SIGTERM)
+            finally:
+                signal_elsewhere(signal.SIGHUP)  # before any critical section: the old handler raised here
+                done.append("cleanup")
+    assert stopped.value.code == 128 + signal.SIGTERM and done == ["cleanup", "backstop"]
+
+
+def test_sigint_unwinds_as_keyboardinterrupt_and_an_ignored_sighup_stays_ignored(signal_elsewhere):
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    with unwinding_on_signals():
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        with pytest.raises(KeyboardInterrupt):
+            with critical():
+                signal.raise_signal(signal.SIGINT)  # deferred to the section's end
+                assert True
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_signal_while_a_worker_starts_stops_that_worker_and_removes_its_folder(tiny_fixture, tmp_path, monkeypatch, signal_elsewhere):

@@ -356,3 +356,27 @@ def test_gate_plans_each_runtime_run_once_per_device():
     # On the CPU every dual run and anchor is one of the configurations' own runs.
     own = {(c.lora, c.options) for c in cpu}
     assert {(c.lora, o) for c in cpu for o in needed_runs(gate_of(c), c.options).values()} == own
+
+
+def test_with_dtype_resolves_the_dtype_dependent_choices_afresh(monkeypatch, tmp_path):
+    """The fp32 dual run of a bf16 CUDA configuration: FLA and the one-pass layout are bf16's
+    choices (FLA runs fp32 in TF32), so fp32 gets the reference rule and the batch layout, as
+    options made for fp32 directly would; calibrated options stay replaceable."""
+    import dataclasses
+    import json
+
+    from parity.runtime_adapter import module_path_options, runtime_options, with_dtype
+    from valen_runtime import options as options_module
+    from valen_runtime.options import EngineOptions
+
+    monkeypatch.setattr(options_module, "_fla_available", lambda: True)
+    bf16 = runtime_options("cuda", "bf16", "shared-prefix", kernels="fast")
+    assert (bf16.delta_kernel, bf16.layout, bf16.graphs, bf16.compile) == ("fla", "one-pass", True, True)
+    fp32 = with_dtype(bf16, "fp32")
+    assert fp32 == EngineOptions(device="cuda", dtype="fp32", mode="shared-prefix", kernels="fast")
+    assert (fp32.delta_kernel, fp32.layout) == ("torch", "batch")
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"temperature": 0.8}))
+    calibrated = EngineOptions(device="cpu", calibration=str(calibration))
+    assert calibrated.temperature == 0.8 and dataclasses.replace(calibrated, dtype="fp32").temperature == 0.8
+    assert with_dtype(calibrated, "fp32").temperature == module_path_options(calibrated).temperature == 0.8

@@ -97,3 +97,34 @@ def test_cancelling_on_cuda_leaves_the_graph_cache_usable(tiny_export, short_req
         with cancel.scope(torch.cuda.is_current_stream_capturing):
             assert cancelled.run(request).response == captured
         assert cancelled.run(request).response == replayed
+
+
+def test_a_graph_capture_is_never_cut_by_a_cancelled_scope():
+    """GraphCache's second use of a key warms up and captures: a request abandoned meanwhile must not
+    cut that in half (the key would lose its graph, an older one already evicted). On the CPU, with
+    the capture replaced by a direct run and the first use's checkpoint counted."""
+    import torch
+
+    from valen_runtime.fast.graphs import GraphCache
+
+    class CpuGraphs(GraphCache):
+        def _capture(self, key, fn, inputs):
+            out = fn(*inputs)
+            entry = self.graphs[key] = (type("Replay", (), {"replay": lambda self: None})(), list(inputs), out, fn)
+            return entry
+
+    graphs = CpuGraphs(pool="none on the CPU", max_graphs=1)
+
+    def layer_stack(x):
+        cancel.checkpoint()
+        return (x + 1,)
+
+    x = torch.zeros(2)
+    with cancel.scope(lambda: True):
+        with pytest.raises(cancel.Cancelled):  # the first use runs directly: it stops
+            graphs.run("key", layer_stack, x)
+        graphs.run("key", layer_stack, x)  # the second captures: shielded, it completes
+    assert "key" in graphs
+    cancel.checkpoint()  # the shield ends with the capture
+    with cancel.scope(lambda: True), pytest.raises(cancel.Cancelled):
+        cancel.checkpoint()

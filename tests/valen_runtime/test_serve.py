@@ -619,6 +619,27 @@ def test_a_stop_signal_while_loading_exits_0_without_listening(tiny_export, tmp_
     assert '"event": "stopped"' in rest and '"event": "ready"' not in rest and "Traceback" not in rest, rest
 
 
+def test_under_nohup_sighup_neither_stops_loading_nor_the_ready_worker(tiny_export, tmp_path):
+    """nohup ignores SIGHUP so that a worker outlives its terminal: valen-serve keeps it ignored."""
+    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        assert json.loads(proc.stderr.readline())["event"] == "loading"
+        proc.send_signal(signal.SIGHUP)  # while loading
+        lines = [json.loads(proc.stderr.readline())]
+        while lines[-1].get("event") != "ready":
+            assert proc.poll() is None and lines[-1].get("event") != "stopped", lines
+            lines.append(json.loads(proc.stderr.readline()))
+        proc.send_signal(signal.SIGHUP)  # while ready
+        status, body, _ = http_call(lines[-1]["port"], "GET", "/health")
+        assert status == 200 and proc.poll() is None, body
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=60) == 0 and '"event": "stopped"' in rest, rest
+
+
 def _export_with_failing_template(source, tmp_path):
     """A copy of the export whose chat template emits a video token for one phrase; the manifest
     is updated, so the export loads and only such a request fails inside the compiler (500)."""

@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from ..cancel import shielded
+
 from ..layouts.common import leaves, rebuild, skeleton
 
 
@@ -49,9 +51,10 @@ class GraphCache:
         else:
             del self.seen[key]
             structure = skeleton(inputs)  # the graph keeps the structure, not these tensors
-            entry = self._capture(key, lambda *tensors: fn(rebuild(structure, iter(tensors))), list(leaves(inputs)))
+            with shielded():  # a cancelled request must not cut the warm-up and capture in half
+                entry = self._capture(key, lambda *tensors: fn(rebuild(structure, iter(tensors))), list(leaves(inputs)))
         graph, static_in, static_out, _ = entry
-        for dst, src in zip(static_in, leaves(inputs)):
+        for dst, src in zip(static_in, leaves(inputs), strict=True):
             dst.copy_(src, non_blocking=True)
         graph.replay()
         return static_out

@@ -30,6 +30,12 @@ log = logging.getLogger("valen_serve")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+def _stop_signals() -> tuple[int, ...]:
+    """The stop signals this process takes: SIGHUP only where it is not ignored (under nohup the
+    worker must outlive its terminal)."""
+    return tuple(sig for sig in STOP_SIGNALS if not (sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN))
+
+
 def _server_class():
     import uvicorn
 
@@ -39,7 +45,7 @@ def _server_class():
 
         @contextlib.contextmanager
         def capture_signals(self):
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in _stop_signals()}
             try:
                 yield
             finally:
@@ -95,7 +101,7 @@ def _stop_on_signal_before_ready():
         # At once: the executor thread may be inside torch, which interpreter shutdown must not race.
         os._exit(0)
 
-    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, stop) for sig in _stop_signals()}
     try:
         yield
     finally:
