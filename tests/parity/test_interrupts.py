@@ -23,9 +23,10 @@ from parity.interrupts import critical, unwinding_on_signals
 def signal_elsewhere():
     """send(signum): deliver signum to another live thread and return once its C-level handler has
     run (the wakeup fd says so), so the Python handler is due in the main thread at its next bytecode.
-    SIGTERM and SIGHUP start at their default action (under nohup SIGHUP is ignored, and
-    unwinding_on_signals leaves a caller's disposition alone)."""
+    SIGTERM, SIGHUP and SIGINT start at their default action (under nohup SIGHUP is ignored, in
+    pytest-xdist's workers SIGINT, and unwinding_on_signals leaves a caller's disposition alone)."""
     previous_actions = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous_actions[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)  # pytest-xdist's workers ignore it
     release = threading.Event()
     thread = threading.Thread(target=release.wait, daemon=True)
     thread.start()

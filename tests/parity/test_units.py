@@ -332,7 +332,7 @@ def test_valen_source_prompt_record_equals_the_rebuilt_one():
 
 def test_gate_plans_each_runtime_run_once_per_device():
     from parity.cli import needed_runs
-    from parity.gate import configurations
+    from parity.gate import GATE_TEMPERATURE, configurations
     from parity.runtime_adapter import EngineOptions, module_path_options
 
     gates = load_tolerances()
@@ -352,10 +352,13 @@ def test_gate_plans_each_runtime_run_once_per_device():
                     ("merged", EngineOptions("cuda", "bf16", "shared-prefix")), ("merged", EngineOptions("cuda", "fp32", "shared-prefix")),
                     ("merged", EngineOptions("cuda", "fp32", "shared-prefix", kernels="torch", graphs=False))}
     cpu = configurations("cpu")
-    assert len(cpu) == 12 and len({(c.lora, c.options) for c in cpu}) == 12
-    # On the CPU every dual run and anchor is one of the configurations' own runs.
+    assert len(cpu) == 13 and len({(c.lora, c.options) for c in cpu}) == 13
+    assert [c.options.temperature for c in cpu].count(1.0) == 12  # one configuration at GATE_TEMPERATURE
+    # On the CPU every dual run and anchor is one of the configurations' own runs, but the fp32 dual
+    # run of the configuration at another temperature.
     own = {(c.lora, c.options) for c in cpu}
-    assert {(c.lora, o) for c in cpu for o in needed_runs(gate_of(c), c.options).values()} == own
+    dual_at_t = ("separate", EngineOptions("cpu", "fp32", "shared-prefix", kernels="fast", temperature=GATE_TEMPERATURE))
+    assert {(c.lora, o) for c in cpu for o in needed_runs(gate_of(c), c.options).values()} == own | {dual_at_t}
 
 
 def test_with_dtype_resolves_the_dtype_dependent_choices_afresh(monkeypatch, tmp_path):

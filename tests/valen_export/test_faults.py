@@ -197,7 +197,9 @@ def test_two_exports_racing_for_one_out(medium_fixture, tmp_path):
 def test_interrupt_removes_the_temporary_directory(medium_fixture, tmp_path, sig, expected_rc):
     out = tmp_path / "out"
     # A closed terminal sends SIGHUP to a process with the default action (nohup'd test runs ignore it).
-    proc = start(medium_fixture, out, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    # pytest-xdist's workers ignore SIGINT, and an ignored signal stays ignored across exec: both at
+    # their default, as in a terminal.
+    proc = start(medium_fixture, out, preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGHUP, signal.SIGINT)])
     assert wait_until(proc, lambda: mid_file(own_partial(out, proc), LANG)), "finished before the interrupt"
     proc.send_signal(sig)
     rc = proc.wait(timeout=60)
