@@ -39,11 +39,16 @@ demo: $(STAMP)
 # The suite runs in TEST_WORKERS pytest-xdist processes (default: one per core), each on one torch
 # thread: most tests are single-threaded compiles, subprocesses and waits, and a second thread per
 # process only spins against the other worker.
+# The parity gate runs beside them at a lower priority (nice 10): it takes the cores the tests
+# leave idle (their tail, their waits on subprocesses) and gets the rest once they are done.
 TEST_WORKERS ?= auto
 PYTEST := OMP_NUM_THREADS=1 HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 test: $(STAMP)
-	$(PYTEST) -m "not gpu" tests
-	$(MAKE) parity-gate
+	@mkdir -p build; echo "parity gate: started beside the tests at nice 10 (its log follows them; build/parity-gate.log)"
+	@nice -n 10 $(BIN)/python -m parity.gate build/parity-gate > build/parity-gate.log 2>&1 & gate=$$!; \
+	  $(PYTEST) -m "not gpu" tests; tests=$$?; \
+	  wait $$gate; gated=$$?; cat build/parity-gate.log; \
+	  test $$tests = 0 && test $$gated = 0
 
 # Random search for people hunting bugs: the same properties, many more examples, failures kept
 # in .hypothesis/ and replayed first on the next `make fuzz`.

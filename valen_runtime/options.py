@@ -34,8 +34,8 @@ class EngineOptions:
             None: shared-prefix on CUDA, per-branch on the CPU.
         kernels: "torch" (the reference modules, qwen35.py / vision.py) or "fast" (the
             fast path's fused layers, FLA, SDPA); None: fast for shared-prefix on CUDA.
-        graphs: replay each request shape from a CUDA graph (shared-prefix on CUDA only);
-            None: on for shared-prefix on CUDA.
+        graphs: replay each request shape from a CUDA graph (shared-prefix on CUDA only; the fast
+            path compiled only); None: on for shared-prefix on CUDA where that holds.
         compile: torch.compile the fast path (kernels="fast" only; the first request of a
             process then compiles for about a minute); None: on for the fast path on CUDA.
         layout: the shared-prefix layout of a state with a chunk-aligned prefix (a shorter state
@@ -85,10 +85,14 @@ class EngineOptions:
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} is not one of {', '.join(a for a in allowed if a is not None)}")
         fast = kernels == "fast"
-        graphs = self.graphs if self.graphs is not None else (cuda and mode == "shared-prefix")
         compile = self.compile if self.compile is not None else (cuda and fast)
+        graphs = self.graphs if self.graphs is not None else (cuda and mode == "shared-prefix" and (compile or not fast))
         if graphs and not (cuda and mode == "shared-prefix"):
             raise ValueError("CUDA graphs need mode='shared-prefix' on a CUDA device")
+        if graphs and fast and not compile:
+            # Measured on the H200: the eager fast path's grouped LoRA gathers with a host index,
+            # which a capture cannot copy; compiled, the gather is a kernel of its own.
+            raise ValueError("CUDA graphs of the fast path need compile=True (its eager LoRA projection copies a host index)")
         if compile and not fast:
             raise ValueError("compile=True needs kernels='fast' (the reference modules always run eagerly)")
 

@@ -60,6 +60,7 @@ def test_explicit_choices_are_kept():
         (dict(device="cpu", kernels="triton"), "kernels 'triton' is not one of torch, fast"),
         (dict(device="cpu", mode="shared-prefix", graphs=True), "CUDA graphs need mode='shared-prefix' on a CUDA device"),
         (dict(device="cuda", mode="per-branch", graphs=True), "CUDA graphs need"),
+        (dict(device="cuda", kernels="fast", compile=False, graphs=True), "CUDA graphs of the fast path need compile=True"),
         (dict(device="cpu", compile=True), "compile=True needs kernels='fast'"),
         (dict(device="cpu", layout="rows"), "layout 'rows' is not one of one-pass, batch"),
         (dict(device="cpu", mode="shared-prefix", layout="one-pass"), "layout='one-pass' needs kernels='fast'"),
@@ -240,3 +241,9 @@ def test_the_compile_option_compiles_the_fast_path(tiny_export, monkeypatch):
         compiled.clear()
         fast = FastModel.build(model, EngineOptions(device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast", compile=compile))
         assert fast.compiled is compile and len(compiled) == (6 if compile else 0), compiled
+
+
+def test_the_eager_fast_path_on_cuda_runs_without_graphs_by_default():
+    eager = EngineOptions(device="cuda", kernels="fast", compile=False)
+    assert (eager.mode, eager.graphs) == ("shared-prefix", False)
+    assert EngineOptions(device="cuda").graphs and EngineOptions(device="cuda", kernels="torch").graphs
