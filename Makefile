@@ -23,8 +23,7 @@ NATIVE_NO_CARGO := cargo not found; install Rust (README.md, section Check an ex
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "Installing requirements.txt into $(VENV) (torch and the pinned reference stack): 3-5 minutes the first time, mostly downloads."
-	@# --no-compile: Python byte-compiles what it imports on first use, not all of torch's and transformers' files up front
-	$(BIN)/pip install --disable-pip-version-check --no-compile -r requirements.txt
+	$(BIN)/pip install --disable-pip-version-check -r requirements.txt
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
