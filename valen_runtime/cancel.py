@@ -23,26 +23,25 @@ class Cancelled(Exception):
 
 
 @contextlib.contextmanager
-def scope(stop: Callable[[], bool]) -> Iterator[None]:
-    """Run the body with `stop` as this thread's cancellation test (scopes nest; the outer one returns after)."""
-    previous = getattr(_local, "stop", None)
-    _local.stop = stop
+def _thread_setting(name: str, value) -> Iterator[None]:
+    """This thread's `name` is `value` inside the block; the previous value comes back after (nests)."""
+    previous = getattr(_local, name, None)
+    setattr(_local, name, value)
     try:
         yield
     finally:
-        _local.stop = previous
+        setattr(_local, name, previous)
 
 
-@contextlib.contextmanager
-def shielded() -> Iterator[None]:
+def scope(stop: Callable[[], bool]):
+    """Run the body with `stop` as this thread's cancellation test (scopes nest; the outer one returns after)."""
+    return _thread_setting("stop", stop)
+
+
+def shielded():
     """No checkpoint raises inside: work that must finish whole once begun (a CUDA graph's
     side-stream warm-up and capture, whose cache bookkeeping and stream order a raise would cut)."""
-    previous = getattr(_local, "shielded", False)
-    _local.shielded = True
-    try:
-        yield
-    finally:
-        _local.shielded = previous
+    return _thread_setting("shielded", True)
 
 
 def checkpoint() -> None:

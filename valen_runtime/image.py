@@ -102,21 +102,8 @@ class ImageConfig:
             max_pixels = config["max_pixels"]
         if min_pixels is None or max_pixels is None:
             raise ConfigError("preprocessor_config.json: size needs shortest_edge and longest_edge")
-        values = dict(
-            patch_size=config.get("patch_size", cls.patch_size),
-            temporal_patch_size=config.get("temporal_patch_size", cls.temporal_patch_size),
-            merge_size=config.get("merge_size", cls.merge_size),
-            min_pixels=min_pixels,
-            max_pixels=max_pixels,
-            image_mean=_triple(config.get("image_mean", cls.image_mean), "image_mean"),
-            image_std=_triple(config.get("image_std", cls.image_std), "image_std"),
-            rescale_factor=float(config.get("rescale_factor", cls.rescale_factor)),
-            do_resize=bool(config.get("do_resize", True)),
-            do_rescale=bool(config.get("do_rescale", True)),
-            do_normalize=bool(config.get("do_normalize", True)),
-            do_convert_rgb=bool(config.get("do_convert_rgb", True)),
-            resample=config.get("resample", _BICUBIC),
-        )
+        values = dict(pixel_fields(config, cls), min_pixels=min_pixels, max_pixels=max_pixels,
+                      do_convert_rgb=bool(config.get("do_convert_rgb", True)))
         return cls(**values).with_media_kwargs(media_kwargs or {})
 
     @classmethod
@@ -137,6 +124,23 @@ class ImageConfig:
         if media_kwargs.get("min_pixels") is not None and media_kwargs.get("max_pixels") is not None:
             changes.update(min_pixels=media_kwargs["min_pixels"], max_pixels=media_kwargs["max_pixels"])
         return replace(self, **changes) if changes else self
+
+
+def pixel_fields(config: dict, defaults) -> dict:
+    """The patch and pixel fields the image and the video processor configs share, read from a
+    parsed config file with `defaults`' class values where the file has none."""
+    return dict(
+        patch_size=config.get("patch_size", defaults.patch_size),
+        temporal_patch_size=config.get("temporal_patch_size", defaults.temporal_patch_size),
+        merge_size=config.get("merge_size", defaults.merge_size),
+        image_mean=_triple(config.get("image_mean", defaults.image_mean), "image_mean"),
+        image_std=_triple(config.get("image_std", defaults.image_std), "image_std"),
+        rescale_factor=float(config.get("rescale_factor", defaults.rescale_factor)),
+        do_resize=bool(config.get("do_resize", True)),
+        do_rescale=bool(config.get("do_rescale", True)),
+        do_normalize=bool(config.get("do_normalize", True)),
+        resample=config.get("resample", _BICUBIC),
+    )
 
 
 def _triple(value, name: str) -> tuple[float, ...]:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .config import read_config_json
 from .errors import ConfigError, RequestError
-from .image import _rescale_and_normalize, _triple
+from .image import _BICUBIC, _rescale_and_normalize, pixel_fields
 from .tokenizer import Tokenizer
 
 # Wire limits for one video (proposals for the /v1/systemone worker; named so callers can pass others).
@@ -56,7 +56,6 @@ ALLOWED_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1"})
 _NAMES = {"mp4": "an MP4", "webm": "a WebM"}
 _DEMUXER_OPTIONS = {"mp4": {"enable_drefs": "0", "use_absolute_path": "0"}, "webm": {}}
 
-_BICUBIC = 3
 PLACEHOLDER = "<|placeholder|>"  # the processor's temporary marker; refused in prompt text
 
 
@@ -110,21 +109,12 @@ class VideoConfig:
             raise ConfigError("video_preprocessor_config.json: num_frames is unsupported (5.4.0 refuses it beside fps)")
         size = config.get("size") or {}
         values = dict(
+            pixel_fields(config, cls),
             fps=config.get("fps", cls.fps),
             min_frames=config.get("min_frames", cls.min_frames),
             max_frames=config.get("max_frames", cls.max_frames),
-            patch_size=config.get("patch_size", cls.patch_size),
-            temporal_patch_size=config.get("temporal_patch_size", cls.temporal_patch_size),
-            merge_size=config.get("merge_size", cls.merge_size),
             min_pixels=size.get("shortest_edge", cls.min_pixels),
             max_pixels=size.get("longest_edge", cls.max_pixels),
-            image_mean=_triple(config.get("image_mean", cls.image_mean), "image_mean"),
-            image_std=_triple(config.get("image_std", cls.image_std), "image_std"),
-            rescale_factor=float(config.get("rescale_factor", cls.rescale_factor)),
-            do_resize=bool(config.get("do_resize", True)),
-            do_rescale=bool(config.get("do_rescale", True)),
-            do_normalize=bool(config.get("do_normalize", True)),
-            resample=config.get("resample", _BICUBIC),
         )
         return cls(**values).with_media_kwargs(media_kwargs or {})
 
