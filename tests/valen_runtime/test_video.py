@@ -20,6 +20,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 av = pytest.importorskip("av")  # pinned in requirements.txt; a deployment without it refuses videos
 
+from valen_export.clips import encode_clip, frames_array  # noqa: E402
 from valen_runtime import video as video_module  # noqa: E402
 from valen_runtime.errors import ConfigError, RequestError  # noqa: E402
 from valen_runtime.tokenizer import Tokenizer  # noqa: E402
@@ -68,30 +69,6 @@ def tokenizer(folder):
 # ---------------------------------------------------------------- clips and the reference decoder
 
 
-def frames_array(count: int, height: int, width: int, seed: int = 0, noise: int = 64) -> np.ndarray:
-    """uint8 [count, H, W, 3]: a moving colour ramp (wrapping at 256) plus noise, so resizing and
-    encoding have content; the noise repeats every 8 frames, which keeps long clips cheap to make."""
-    y, x, c = np.ogrid[0:height, 0:width, 0:3]
-    ramp = ((x * 3 + y * 2 + c * 85) % 256).astype(np.uint8)
-    shift = (np.arange(count) * 11 % 256).astype(np.uint8)[:, None, None, None]
-    pool = np.random.default_rng(seed).integers(0, noise, (min(count, 8), height, width, 3), dtype=np.uint8)
-    return ramp[None] + shift + pool[np.arange(count) % len(pool)]  # uint8 arithmetic wraps
-
-
-def encode_clip(container: str, codec: str, rate, count: int, width: int, height: int, noise: int = 64, **options) -> bytes:
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format=container) as out:
-        stream = out.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = options
-        for frame in frames_array(count, height, width, noise=noise):
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buffer.getvalue()
-
-
 def read_video_tv021(data: bytes, container: str) -> tuple[np.ndarray, float]:
     """torchvision 0.21 `read_video(path, pts_unit="sec")` on PyAV: every frame keyed by pts, those
     with pts >= 0 in pts order, `to_rgb().to_ndarray()`; fps = float(average_rate)."""
@@ -111,14 +88,11 @@ CLIPS = {  # name: (MIME subtype, demuxer, encoder, frame rate, frames, width, h
     "hevc mp4 one frame": ("mp4", "mp4", "libx265", 30, 1, 64, 64),
     "av1 mp4 60 fps": ("mp4", "mp4", "libaom-av1", 60, 10, 64, 48),
 }
-_REALTIME = {"deadline": "realtime", "cpu-used": "8"}
-_ENCODER_OPTIONS = {"libaom-av1": {"cpu-used": "8"}, "libx265": {"x265-params": "log-level=none"}, "libvpx": _REALTIME,
-                    "libvpx-vp9": _REALTIME}
 
 
 @pytest.fixture(scope="module")
 def clips():
-    return {name: encode_clip(demuxer, encoder, rate, count, width, height, **_ENCODER_OPTIONS.get(encoder, {}))
+    return {name: encode_clip(demuxer, encoder, rate, count, width, height)
             for name, (_, demuxer, encoder, rate, count, width, height) in CLIPS.items()}
 
 
