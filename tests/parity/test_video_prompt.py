@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parity import cases, prompt, video_reader
+from parity import cases, generator, prompt, video_reader
 from valen_runtime.tokenizer import Tokenizer
 from valen_runtime.video import VideoConfig, encode_prompt, load_video, sample_indices, timestamp_text
 
@@ -80,6 +80,14 @@ def test_clips_are_the_same_bytes_when_encoded_again():
     assert [cases.video_data_url(name) for name in cases.CLIPS] == first
 
 
+def test_every_generated_set_ends_with_the_video_group():
+    group = cases.cases("video")
+    for make in generator.SETS.values():
+        requests = make()
+        assert requests[-len(group):] == group
+        assert not any("data:video/" in repr(r["state"]) for _, _, r in requests[:-len(group)])
+
+
 # ---------------------------------------------------------------- the reference builder vs valen_runtime.video
 
 
@@ -135,3 +143,39 @@ def test_reference_prompt_equals_valen_runtime_video(name, builder, reader_calls
     if name == "mp4_long_text_around":
         stamps = [timestamp_text(s) for s in processed.plan.timestamps]
         assert len(stamps) == 12 and stamps[0] == "<0.3 seconds>" and stamps[-1] == "<11.5 seconds>"  # one digit, then two
+
+
+# ---------------------------------------------------------------- the harness's video checks
+
+
+def _video_request_measured(ref_grid, rt_grid, ref_pixels, rt_pixels):
+    """measure_request on one video request without questions: only the exact checks speak."""
+    from types import SimpleNamespace
+
+    from parity import compare
+    from parity import tolerances
+
+    gate = tolerances.select(tolerances.load(), "separate", "bf16", "cpu", "per-branch")
+    ids, types = [1, 2, 2, 3], [0, 2, 2, 0]
+    state = SimpleNamespace(input_ids=ids, mm_token_type_ids=types, image_grid_thw=None, pixel_values=None,
+                            video_grid_thw=torch.tensor(rt_grid), pixel_values_videos=rt_pixels)
+    compiled = SimpleNamespace(state=state, questions=[], logical_tokens=4, compute_tokens=0)
+    response = {"answers": {}, "usage": {"input_tokens": 4, "output_tokens": 0}, "internal_usage": {"compute_tokens": 0}}
+    outcome = SimpleNamespace(result=SimpleNamespace(compiled=compiled, response=response, logits=[], timings={}), rejected=None, crashed=None,
+                              rotary={"positions": torch.zeros(3, 4, dtype=torch.long), "tables": torch.zeros(2, 4, 2)})
+    record = {"ok": True, "prompt": {"input_ids": ids, "mm_token_type_ids": types, "image_grid_thw": None, "video_grid_thw": ref_grid,
+                                     "questions": [], "logical_tokens": 4, "compute_tokens": 0, "media": []}}
+    rotary = {"positions": torch.zeros(3, 4, dtype=torch.long), "tables": torch.zeros(2, 4, 2)}
+    return compare.measure_request("video", "x", {"bf16": record}, "bf16", outcome, gate, ref_rotary=rotary, ref_pixels_videos=ref_pixels)
+
+
+def test_video_grid_and_pixels_are_compared_exactly():
+    pixels = torch.rand(8, 6)
+    same = _video_request_measured([[1, 2, 4]], [[1, 2, 4]], pixels, pixels.clone())
+    assert same["problems"] == [] and same["checks"]["pixel_values_videos"]["max_abs"] == 0
+    grid = _video_request_measured([[1, 2, 4]], [[1, 4, 2]], pixels, pixels.clone())
+    assert grid["problems"] == ["token_ids: state.video_grid_thw: reference [[1, 2, 4]], runtime [[1, 4, 2]]"]
+    moved = pixels.clone()
+    moved[3, 1] = torch.nextafter(moved[3, 1], torch.tensor(2.0))  # one ulp
+    off = _video_request_measured([[1, 2, 4]], [[1, 2, 4]], pixels, moved)
+    assert len(off["problems"]) == 1 and off["problems"][0].startswith("pixel_values_videos: pixel_values_videos max |Δ|")
