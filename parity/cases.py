@@ -216,8 +216,6 @@ CLIPS = {
     "webm_vp9_odd": ("webm", "libvpx-vp9", Fraction(15, 2), 22, 64, 48, 2),
     # 12 s at 5 fps: 24 of 60 frames sampled (frames skipped), 12 pairs whose stamps pass 10 s.
     "mp4_long": ("mp4", "libx264", 5, 60, 64, 48, 3),
-    # 0.8 s at 25 fps: 4 frames sampled (min_frames) of 20, VP8.
-    "webm_vp8": ("webm", "libvpx", 25, 20, 64, 48, 4),
 }
 
 
@@ -231,15 +229,26 @@ def video_data_url(name: str) -> str:
 
 
 def video_case() -> list[tuple[str, dict]]:
-    """One video per request (the wire contract): `{"video": ...}` states and message lists with
-    text before and after the clip; a video_url item as `{"url": ...}` and as a string. Few
-    branches (one per choice or noul question, two score grades): the CPU gate runs them in every
-    configuration."""
+    """One video per request (the wire contract): a `{"video": ...}` state and message lists (a
+    system turn, text before and after the clip; a video_url item as a string and as
+    `{"url": ...}`). Few branches (one per choice or noul question, two score grades): the CPU gate
+    runs them in every configuration."""
     return [
         ("mp4_short", _req({"video": video_data_url("mp4_short")},
                            {"motion": {"type": "choice", "instructions": "Which way does the pattern move?", "criteria": {"left": "To the left", "right": "To the right"}}})),
-        ("webm_vp9_odd", _req({"video": video_data_url("webm_vp9_odd")},
-                              {"noise": {"type": "noul", "instructions": "Is the clip noisy? 有噪点吗？"}})),
+        (
+            "webm_vp9_odd_messages",
+            _req(
+                {"messages": [
+                    {"role": "system", "content": "You judge screen recordings."},
+                    {"role": "user", "content": [
+                        {"type": "video_url", "video_url": video_data_url("webm_vp9_odd")},
+                        {"type": "text", "text": "Short clip. 短片。"},
+                    ]},
+                ]},
+                {"noise": {"type": "noul", "instructions": "Is the clip noisy? 有噪点吗？"}},
+            ),
+        ),
         (
             "mp4_long_text_around",
             _req(
@@ -249,19 +258,6 @@ def video_case() -> list[tuple[str, dict]]:
                     {"type": "text", "text": "Did the screen change after 10 s? 之后呢？"},
                 ]}]},
                 {"change": {"type": "score", "instructions": "How much does the screen change?", "criteria": ["Not at all", "A lot 很多"]}},
-            ),
-        ),
-        (
-            "webm_vp8_messages",
-            _req(
-                {"messages": [
-                    {"role": "system", "content": "You judge screen recordings."},
-                    {"role": "user", "content": [
-                        {"type": "video_url", "video_url": video_data_url("webm_vp8")},
-                        {"type": "text", "text": "Short clip. 短片。"},
-                    ]},
-                ]},
-                {"colour": {"type": "choice", "instructions": "Which colour dominates?", "criteria": {"red": "Red", "green": None, "blue": "Blue 蓝色"}}},
             ),
         ),
     ]
