@@ -994,8 +994,11 @@ VIDEO_REFUSALS = [
 ]
 
 
-@pytest.mark.parametrize("where", list(VIDEO_FIELDS))
-@pytest.mark.parametrize("make, mime, phrase", VIDEO_REFUSALS, ids=[r[2][:24] for r in VIDEO_REFUSALS])
+# Every refusal as a video state; two of them in each message-item form too (the same code path).
+VIDEO_CASES = [(*r, "state") for r in VIDEO_REFUSALS] + [(*r, where) for r in (VIDEO_REFUSALS[0], VIDEO_REFUSALS[-1]) for where in ("string", "object")]
+
+
+@pytest.mark.parametrize("make, mime, phrase, where", VIDEO_CASES, ids=[f"{c[2][:24]}-{c[3]}" for c in VIDEO_CASES])
 def test_video_refusals_name_the_field(compiler, make, mime, phrase, where):
     from valen_runtime.wire import http_status
 
