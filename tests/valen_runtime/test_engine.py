@@ -658,3 +658,54 @@ def test_valen_run_refuses_a_flipped_byte_unless_told_to_check_sizes_only(tiny_e
     assert refused.output.count("\n") == 1 and "valen_head.safetensors: sha256" in refused.output and "does not match the manifest's" in refused.output
     opted_out = CliRunner().invoke(valen_run, ["--export", str(export), "--device", "cpu", "--verify", "size", str(req)])
     assert opted_out.exit_code == 0 and json.loads(opted_out.output)["answers"]
+
+
+@pytest.fixture(scope="module")
+def reference_fp32(tiny_fixture):
+    """(model, processor): the reference's own model in fp32, built once for the module."""
+    from parity.reference import build_reference
+
+    model, _, processor = build_reference(tiny_fixture.checkpoint, tiny_fixture.base, dtype="fp32")
+    return model, processor
+
+
+@pytest.mark.parametrize("state", ["long_image_request", "long_video_request"])
+def test_per_branch_hidden_states_equal_transformers_own_model_fp32(reference_fp32, tiny_export, state, request):
+    """The whole per-branch path of an image or a video state (ids, pixels, vision tower, the
+    features scattered into the pad tokens, M-RoPE, the text stack with its LoRA) against the
+    reference's own model (transformers 5.4.0 + PEFT, parity/reference.py) in fp32, fed by the
+    pinned processor: for a video, the frames and video_metadata torchvision 0.21's read_video gives."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from .test_video import read_video_tv021
+
+    payload = request.getfixturevalue(state)
+    model, processor = reference_fp32
+    engine = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="per-branch"))
+    compiled, features = engine.prepare(payload)
+    media, text_item = payload["state"]["messages"][0]["content"]
+    url = media["image"] if media["type"] == "image" else media["video_url"]["url"]
+    data = base64.b64decode(url.split(",", 1)[1])
+    kind = "image" if media["type"] == "image" else "video"
+    prompt = processor.apply_chat_template([{"role": "user", "content": [{"type": kind}, text_item]}], tokenize=False, add_generation_prompt=False)
+    if kind == "image":
+        inputs = processor(text=[prompt], images=[Image.open(io.BytesIO(data))], return_tensors="pt")
+    else:
+        frames, fps = read_video_tv021(data, "mp4")
+        inputs = processor(text=[prompt], videos=[frames], video_metadata=[{"total_num_frames": len(frames), "fps": fps}], return_tensors="pt")
+    st = compiled.state
+    assert st.input_ids == inputs["input_ids"][0].tolist() and st.mm_token_type_ids == inputs["mm_token_type_ids"][0].tolist()
+    pixels = {k: inputs[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw") if k in inputs}
+    branch = compiled.questions[0].branches[0]
+    ids = st.input_ids + branch.suffix_ids
+    types = st.mm_token_type_ids + [0] * len(branch.suffix_ids)
+    with torch.no_grad():
+        model.backbone.rope_deltas = None
+        want = model.backbone(input_ids=torch.tensor([ids]), mm_token_type_ids=torch.tensor([types]), **pixels,
+                              use_cache=False, return_dict=True).last_hidden_state[0]
+        got = engine.branch_hidden(compiled, branch, features)
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 1e-5 * scale, ((got - want).abs().max().item(), scale)
