@@ -231,11 +231,12 @@ def video_data_url(name: str) -> str:
 def video_case() -> list[tuple[str, dict]]:
     """One video per request (the wire contract): a `{"video": ...}` state and message lists (a
     system turn, text before and after the clip; a video_url item as a string and as
-    `{"url": ...}`). Few branches (one per choice or noul question, two score grades): the CPU gate
+    `{"url": ...}`). Few branches (one per choice or noul question, two score grades; the score on
+    the short clip, since per-branch runs forward the whole state once per branch): the CPU gate
     runs them in every configuration."""
     return [
         ("mp4_short", _req({"video": video_data_url("mp4_short")},
-                           {"motion": {"type": "choice", "instructions": "Which way does the pattern move?", "criteria": {"left": "To the left", "right": "To the right"}}})),
+                           {"change": {"type": "score", "instructions": "How much does the screen change?", "criteria": ["Not at all", "A lot 很多"]}})),
         (
             "webm_vp9_odd_messages",
             _req(
@@ -257,7 +258,7 @@ def video_case() -> list[tuple[str, dict]]:
                     {"type": "video_url", "video_url": {"url": video_data_url("mp4_long")}},
                     {"type": "text", "text": "Did the screen change after 10 s? 之后呢？"},
                 ]}]},
-                {"change": {"type": "score", "instructions": "How much does the screen change?", "criteria": ["Not at all", "A lot 很多"]}},
+                {"motion": {"type": "choice", "instructions": "Which way does the pattern move?", "criteria": {"left": "To the left", "right": "To the right"}}},
             ),
         ),
     ]
