@@ -91,22 +91,28 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-@contextlib.contextmanager
-def _stop_on_signal_before_ready():
-    """SIGTERM / SIGINT / SIGHUP while starting (imports, loading, warmup): stop at once, exit 0 (nothing is in flight)."""
+class _StopSignals:
+    """SIGTERM / SIGINT / SIGHUP over the worker's whole life, one handler, so that no moment between
+    loading and serving leaves a signal its default action (which kills without a `stopped` line):
+    while starting (imports, loading, warmup) stop at once with exit 0, nothing being in flight; once
+    the server exists, ask it to drain, as its own handler does while it runs."""
 
-    def stop(signum, frame):
+    def __init__(self):
+        self.server = None
+
+    def install(self) -> None:
+        for sig in _stop_signals():
+            signal.signal(sig, self)
+
+    def __call__(self, signum, frame):
+        if self.server is not None:
+            self.server.handle_exit(signum, frame)  # sets should_exit: a server not yet running starts and drains
+            return
         log.info({"event": "stopped", "reason": f"signal {signum} before ready"})
         sys.stderr.flush()
         # At once: the executor thread may be inside torch, which interpreter shutdown must not race.
         os._exit(0)
 
-    previous = {sig: signal.signal(sig, stop) for sig in _stop_signals()}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 def settings_from_command_line(export_dir, host, port, device, dtype, mode, kernels, graphs, compile_, temperature, calibration,
                                queue_size, max_batch, batch_wait_ms, request_timeout, read_timeout, max_body_reads,
@@ -164,10 +170,11 @@ def main(**command_line) -> None:
       curl -s localhost:8000/health
     """
     _configure_logging()
+    stop_signals = _StopSignals()
+    stop_signals.install()
     try:
-        with _stop_on_signal_before_ready():
-            settings = settings_from_command_line(**command_line)
-            executor, sock = _start(settings)
+        settings = settings_from_command_line(**command_line)
+        executor, sock = _start(settings)
     except (ValenError, ValueError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -183,6 +190,7 @@ def main(**command_line) -> None:
         h11_max_incomplete_event_size=64 * 1024,  # request line + headers
     )
     server = _server_class()(config)
+    stop_signals.server = server  # from here a stop signal drains (before the ready line is written)
     sock.listen(128)
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
