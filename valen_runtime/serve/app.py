@@ -114,8 +114,7 @@ class WorkerApp:
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(job.future), timeout=max(remaining, 0.0))
         except asyncio.TimeoutError:
-            job.abandon()
-            if job.started_at is not None:  # the executor is still busy with it until its next layer
+            if job.abandon():  # the executor is still busy with it until its next layer
                 record["executor"] = "still busy with it: the work stops at its next layer once no request of its batch is waited for"
             raise _Answer(503, f"not answered within {self.settings.request_timeout:g} s (--request-timeout); the worker is overloaded") from None
         except RequestError as exc:
