@@ -26,6 +26,7 @@ from valen_runtime.wire import (
     MAX_OPTIONS,
     MAX_QUESTIONS,
     MAX_TEXT,
+    MAX_VIDEO_BODY,
     BodyError,
     Candidate,
     ImagePart,
@@ -109,7 +110,7 @@ def _valen_run_peak(tmp_path, export, stdin) -> tuple[int, str, int]:
     return os.waitstatus_to_exitcode(status), err, usage.ru_maxrss
 
 
-def test_valen_run_refuses_an_endless_stdin_after_8_mib(tiny_export, tmp_path):
+def test_valen_run_refuses_an_endless_stdin_after_24_mib(tiny_export, tmp_path):
     small = tmp_path / "small.json"
     small.write_text("{")
     with open(small, "rb") as handle:
@@ -117,10 +118,10 @@ def test_valen_run_refuses_an_endless_stdin_after_8_mib(tiny_export, tmp_path):
     assert base_code == 2 and "invalid JSON" in base_err
     with open("/dev/zero", "rb") as zero:
         code, err, peak = _valen_run_peak(tmp_path, tiny_export["separate"], zero)
-    assert code == 2 and err.count("\n") == 1 and err.startswith("error: stdin: more than 8388608 bytes"), err
-    # Same process, same imports; what reading adds is at most the 8 MiB + 1 bytes read and one
-    # transient copy, rounded up to 4 x MAX_BODY for allocator slack.
-    assert (peak - base_peak) * 1024 < 4 * MAX_BODY, (peak, base_peak)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: stdin: more than {MAX_VIDEO_BODY} bytes"), err
+    # Same process, same imports; what reading adds is at most the 24 MiB + 1 bytes read (the
+    # video body limit) and one transient copy, plus allocator slack.
+    assert (peak - base_peak) * 1024 < 3 * MAX_VIDEO_BODY, (peak, base_peak)
 
 
 def test_valen_run_refuses_a_200_mib_file_without_reading_it(tiny_export, tmp_path):
@@ -129,7 +130,7 @@ def test_valen_run_refuses_a_200_mib_file_without_reading_it(tiny_export, tmp_pa
         handle.truncate(200 * 1024 * 1024)  # sparse: reading it would still return 200 MiB of zeros
     result = CliRunner().invoke(valen_run, ["--export", str(tiny_export["separate"]), "--device", "cpu", str(big)])
     assert result.exit_code == 2 and result.output.count("\n") == 1
-    assert f"{big}: more than {MAX_BODY} bytes" in result.output
+    assert f"{big}: more than {MAX_VIDEO_BODY} bytes" in result.output
 
 
 def test_valen_run_prints_the_wire_body(tiny_export, tmp_path):
@@ -438,6 +439,9 @@ def test_the_compiler_holds_no_request_checks():
         "str(exc)",  # an image's size after its EXIF turn cannot be resized (image.py's check)
         "f'the chat template rejected the state ({exc})'",  # the export's template raised
         "f'text must not contain {placeholder} together with images'",  # the rendered prompt
+        "str(exc)",  # a video's plan: a side under patch * merge or an aspect ratio (video.py's check)
+        "str(exc)",  # a video state's prompt holds the processor's placeholder (video.py's check)
+        "'this export takes no video (it has no video_preprocessor_config.json)'",  # the export
         "f'{length} tokens exceed max_length={self.max_length}; no truncation'",  # the tokenized prompt
     ])
     assigned = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign) for target in node.targets
@@ -516,3 +520,68 @@ def _compiler_for(folder):
     if folder not in _compilers:
         _compilers[folder] = Compiler.from_dir(folder)
     return _compilers[folder]
+
+
+# ---------------------------------------------------------------- video states
+
+
+def video_url(data: bytes, mime: str = "mp4") -> str:
+    return f"data:video/{mime};base64," + base64.b64encode(data).decode("ascii")
+
+
+def test_a_video_state_and_a_message_video_are_typed_video_parts():
+    from valen_runtime.wire import VideoPart
+
+    valid = validate_request(request(state={"video": video_url(b"\x00\x00\x00\x18ftyp", "mp4")}))
+    assert valid.video == VideoPart("mp4", b"\x00\x00\x00\x18ftyp", "state.video") and valid.images == []
+    for item in ({"type": "video_url", "video_url": video_url(b"webm", "webm")}, {"type": "video_url", "video_url": {"url": video_url(b"webm", "webm")}}):
+        valid = validate_request(request(state={"messages": [{"role": "user", "content": [{"type": "text", "text": "Look"}, item]}]}))
+        field = "state.messages[0].content[1].video_url" + (".url" if isinstance(item["video_url"], dict) else "")
+        assert valid.video == VideoPart("webm", b"webm", field)
+    assert validate_request(request()).video is None
+
+
+def test_video_state_refusals_name_the_field():
+    url = video_url(b"abc")
+    refused(request(state={"video": url, "extra": 1}), "state", "exactly one video")
+    refused(request(state={"video": 5}), "state.video", "data:video/mp4;base64")
+    refused(request(state={"video": "data:video/quicktime;base64,AAAA"}), "state.video", "data:video/mp4;base64")
+    refused(request(state={"video": "data:video/mp4;base64,@@@@"}), "state.video", "invalid base64")
+    refused(request(state={"video": "data:video/mp4;base64,"}), "state.video", "empty video")
+    item = "state.messages[0].content[1]"
+
+    def messages(*content):
+        return request(state={"messages": [{"role": "user", "content": list(content)}]})
+
+    video, image = {"type": "video_url", "video_url": url}, {"type": "image_url", "image_url": data_url(png_bytes())}
+    refused(messages(video, video), item, "at most one video per request")
+    refused(messages(video, image), item, "images or one video, not both")
+    refused(messages(image, video), item, "images or one video, not both")
+    text = {"type": "text", "text": "x"}
+    refused(messages(text, {"type": "video_url", "video_url": {"url": url, "detail": 1}}), f"{item}.video_url.detail", "unknown field")
+    refused(messages(text, {"type": "video", "video": url}), f"{item}.type", "text, image_url, image or video_url")
+    refused(messages({"type": "text", "text": "x"}, {"type": "video_url", "video_url": {"url": "https://x/y.mp4"}}), f"{item}.video_url.url", "data:video/mp4")
+
+
+def test_video_bytes_at_and_past_16_mib_are_413():
+    from valen_runtime.wire import MAX_VIDEO_BYTES
+
+    payload = os.urandom(MAX_VIDEO_BYTES)
+    assert len(validate_request(request(state={"video": video_url(payload)})).video.data) == MAX_VIDEO_BYTES
+    error = refused(request(state={"video": video_url(payload + b"x")}), "state.video", "larger than 16777216", TooLarge)
+    assert http_status(error) == 413
+    content = [{"type": "video_url", "video_url": {"url": video_url(payload + b"xy", "webm")}}]
+    refused(request(state={"messages": [{"role": "user", "content": content}]}), "state.messages[0].content[0].video_url.url", "larger than", TooLarge)
+
+
+def test_a_body_past_8_mib_is_read_only_for_a_video_and_never_past_24_mib():
+    """A video request may be up to MAX_VIDEO_BODY; any other body past MAX_BODY is 413 once parsed."""
+    video = json.dumps(request(state={"video": video_url(b"x")})).encode()
+    text = json.dumps(request()).encode()
+    assert decode_request(video + b" " * (MAX_VIDEO_BODY - len(video)))["state"] == {"video": video_url(b"x")}
+    for body, phrase in ((video + b" " * (MAX_VIDEO_BODY + 1 - len(video)), "with a video"),
+                         (text + b" " * (MAX_BODY + 1 - len(text)), "for a request without a video")):
+        with pytest.raises(TooLarge) as info:
+            decode_request(body)
+        assert info.value.field == "body" and phrase in str(info.value) and http_status(info.value) == 413
+    assert decode_request(text + b" " * (MAX_BODY - len(text)))["model"] == MODEL
