@@ -116,10 +116,11 @@ class _StopSignals:
 
 def settings_from_command_line(export_dir, host, port, device, dtype, mode, kernels, graphs, compile_, temperature, calibration,
                                queue_size, max_batch, batch_wait_ms, request_timeout, read_timeout, max_body_reads,
-                               max_body_reads_per_client, threads, warmup) -> ServeSettings:
+                               max_body_reads_per_client, max_large_body_reads, threads, warmup) -> ServeSettings:
     """Every option checked (ValueError / ValenError: one line) and resolved, before the port is bound."""
     limits = Settings(queue_size=queue_size, request_timeout=request_timeout, read_timeout=read_timeout, max_batch=max_batch,
-                      batch_wait=batch_wait_ms / 1e3, max_body_reads=max_body_reads, max_body_reads_per_client=max_body_reads_per_client)
+                      batch_wait=batch_wait_ms / 1e3, max_body_reads=max_body_reads, max_body_reads_per_client=max_body_reads_per_client,
+                      max_large_body_reads=max_large_body_reads)
     options = resolve(device, dtype, mode, kernels, graphs, compile_, temperature, calibration)
     full = warmup == "full" or (warmup == "auto" and options.device.startswith("cuda"))
     return ServeSettings(export_dir=export_dir, host=host, port=port, options=options, threads=threads,
@@ -159,6 +160,7 @@ def _start(settings: ServeSettings) -> tuple[Executor, socket.socket]:
 @click.option("--read-timeout", default=Settings.read_timeout, show_default=True, type=float, help="Seconds for a request's headers, and for its body; past it 408.")
 @click.option("--max-body-reads", default=Settings.max_body_reads, show_default=True, type=int, help="Requests that may be sending their bodies at once; one more is answered 503 (an idle body never takes --queue-size capacity).")
 @click.option("--max-body-reads-per-client", default=Settings.max_body_reads_per_client, show_default=True, type=int, help="The same, from one client address.")
+@click.option("--max-large-body-reads", default=Settings.max_large_body_reads, show_default=True, type=int, help="The same, for bodies over 8 MiB (only a video request may be larger, up to 24 MiB).")
 @threads_option()
 @click.option("--warmup", type=click.Choice(["auto", "basic", "full"]), default="auto", show_default=True, help="basic: one text and one image request; full: every shape family the CUDA fast path compiles (auto: full on CUDA).")
 def main(**command_line) -> None:
@@ -198,7 +200,7 @@ def main(**command_line) -> None:
               "device_name": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else (platform.processor() or platform.machine()),
               "dtype": settings.options.dtype, "torch_threads": torch.get_num_threads(), **executor.engine_info, **{k: round(v, 3) for k, v in executor.timings.items()},
               "queue_size": limits.queue_size, "max_body_reads": limits.max_body_reads,
-              "max_body_reads_per_client": limits.max_body_reads_per_client, "batch_wait_ms": limits.batch_wait * 1e3, "request_timeout_s": limits.request_timeout, "read_timeout_s": limits.read_timeout,
+              "max_body_reads_per_client": limits.max_body_reads_per_client, "max_large_body_reads": limits.max_large_body_reads, "batch_wait_ms": limits.batch_wait * 1e3, "request_timeout_s": limits.request_timeout, "read_timeout_s": limits.read_timeout,
               "options": settings.options.describe(),
               "versions": {"python": platform.python_version(), "torch": torch.__version__, "uvicorn": uvicorn.__version__}})
     server.run(sockets=[sock])
