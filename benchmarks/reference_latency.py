@@ -3,6 +3,9 @@
 Runs in its own process with flash-linear-attention & co. blocked (latency.py starts it with a
 cleaned environment). Per request: prompt building (processor, image preprocessing) + every
 branch's full forward + head. Writes {name: {times_s: [...], logits: [[...], ...]}} as JSON.
+`--requests FILE` times the requests of a JSON file ({name: request}) instead of
+bench_requests.py's; video states among them are decoded as torchvision 0.21 did
+(reference_video.py; video_latency.py writes such a file).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_requests import benchmark_requests  # noqa: E402
+from reference_video import install_read_video, with_video_files  # noqa: E402
 
 from parity.prompt import ReferencePromptBuilder  # noqa: E402
 from parity.reference import build_reference, environment, question_logits  # noqa: E402
@@ -31,18 +35,21 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def main(checkpoint: str, base: str, out: str, iters: int, warmup: int, device: str = "cuda", dtype: str = "bf16") -> None:
+def main(checkpoint: str, base: str, out: str, iters: int, warmup: int, device: str = "cuda", dtype: str = "bf16",
+         requests: str | None = None) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
+    install_read_video()
     model, config, processor = build_reference(Path(checkpoint), Path(base), device=device, dtype=dtype)
     builder = ReferencePromptBuilder(processor, max_length=config.get("max_length", 8192), media_kwargs=config.get("media_kwargs") or {})
     results = {"environment": environment(device, dtype)}
     with tempfile.TemporaryDirectory() as media:
-        for name, req in benchmark_requests().items():
+        wire = json.loads(Path(requests).read_text()) if requests else benchmark_requests()
+        for name, req in wire.items():
             times, logits = [], None
             for i in range(warmup + iters):
                 sync(device)
                 t = time.perf_counter()
-                prompt = builder.build(req, Path(media))
+                prompt = builder.build(with_video_files(req, Path(media)), Path(media))  # the media files are written inside, as images are
                 logits = question_logits(model, builder, prompt, device)
                 sync(device)
                 if i >= warmup:
@@ -62,5 +69,6 @@ if __name__ == "__main__":
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--requests", help="a JSON file {name: request} to time instead of bench_requests.py's")
     a = p.parse_args()
-    main(a.checkpoint, a.base, a.out, a.iters, a.warmup, device=a.device)
+    main(a.checkpoint, a.base, a.out, a.iters, a.warmup, device=a.device, requests=a.requests)
