@@ -3,7 +3,8 @@
 - load: the export's weights (weights.py), its request compiler (request.py) and, with
   kernels="fast", the fast model built from the same weights (fast/); `EngineOptions` says how.
 - prepare: validate and tokenize the request; the vision tower is queued as soon as the images
-  are decoded, so on CUDA it runs while the host tokenizes.
+  are decoded, so on CUDA it runs while the host tokenizes (a video's frames are decoded last,
+  once the prompt passed max_length, and the tower queued then).
 - execute: the text stack and the head, in one of two modes computing the same function:
   "per-branch" (the reference's shape: every branch one forward of state + suffix from position
   0, batch 1, no cache; the parity baseline) or "shared-prefix" (the state once, every branch
@@ -34,7 +35,7 @@ from .cancel import Cancelled
 from .layouts import LAYOUTS, Plan, choose, one_pass
 from .options import EngineOptions
 from .positions import rope_index
-from .request import CompiledRequest, Compiler, ImageInputs
+from .request import CompiledRequest, Compiler, ImageInputs, VideoInputs
 from .vision import frame_lengths, grid_list
 from .weights import DTYPES, LoadedModel, load_model
 
@@ -239,13 +240,15 @@ class Engine:
         return compiled, (started[0] if started else None)
 
     @torch.no_grad()
-    def vision_features(self, images: ImageInputs) -> torch.Tensor:
-        """The vision tower's output [n_image_tokens, H] (queued on the device, not awaited)."""
+    def vision_features(self, images: ImageInputs | VideoInputs) -> torch.Tensor:
+        """The vision tower's output [n_visual_tokens, H] for a state's images or its video
+        (queued on the device, not awaited)."""
         pixel_values = images.pixel_values_on(self.model.device)  # uint8 uploaded, patches made on the device
         if self.graphs is None:
             return self.vision(pixel_values, images.grid_thw)
-        # Graphed per image-grid combination. The grid tables (weights only) are built when the
-        # graph is captured; the graph cache keeps the closure, so they live as long as the graph.
+        # Graphed per grid combination (a video's grid, t frame pairs, is one more such key). The
+        # grid tables (weights only) are built when the graph is captured; the graph cache keeps
+        # the closure, so they live as long as the graph.
         grids = grid_list(images.grid_thw)
         key = ("vision", tuple(grids))
         tables = None if key in self.graphs else self.vision.grid_tables(grids)
@@ -271,12 +274,14 @@ class Engine:
         m, st = self.model, compiled.state
         ids = st.input_ids + br.suffix_ids
         types = st.mm_token_type_ids + [0] * len(br.suffix_ids)
-        positions, _ = rope_index(ids, types, st.image_grid_thw, m.config.vision_config.spatial_merge_size)  # [3, T]
+        positions, _ = rope_index(ids, types, st.image_grid_thw, m.config.vision_config.spatial_merge_size,
+                                  video_grid_thw=st.video_grid_thw)  # [3, T]
         embeds = self.text.embed(torch.tensor([ids], device=m.device))  # [1, T, H]
         if features is not None:
-            # As HF: image features replace the <|image_pad|> embeddings in order (no host sync).
-            image_mask = (torch.tensor(types) == 1).to(m.device)
-            embeds = embeds.masked_scatter(image_mask.view(1, -1, 1), features.to(embeds.dtype))
+            # As HF: image (video) features replace the <|image_pad|> (<|video_pad|>) embeddings in
+            # order, no host sync. A state holds images or one video, never both (wire.py).
+            visual_mask = (torch.tensor(types) != 0).to(m.device)
+            embeds = embeds.masked_scatter(visual_mask.view(1, -1, 1), features.to(embeds.dtype))
         hidden = self.text(embeds, positions[:, None, :].to(m.device))[0]  # [T, H]
         return m.head.logits(hidden[br.candidate_positions], hidden[br.decision_position])
 

@@ -10,9 +10,12 @@ import time
 # starting each decode), template (chat template), tokenize (tokenizer, image-token expansion and
 # types), image_wait (blocked on the decode threads), on_images (the caller's callback), questions
 # (branch layout). Where the images were decoded, summed over them: decode (PIL: inflate,
-# unfilter, EXIF turn, RGB), to_tensor (the copy out of PIL), resize.
+# unfilter, EXIF turn, RGB), to_tensor (the copy out of PIL), resize. A video state has instead
+# video_probe (pass 1: decode without converting, count the frames, check the limits; and the
+# plan) before the template, and video_decode (pass 2: convert and resize the sampled frames)
+# after the questions.
 PHASES = ("json", "validate", "state_parse", "image_open", "template", "tokenize", "image_wait", "on_images",
-          "questions", "decode", "to_tensor", "resize")
+          "questions", "decode", "to_tensor", "resize", "video_probe", "video_decode")
 
 
 class Phases:

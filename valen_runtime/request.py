@@ -5,7 +5,12 @@ validator, docs/wire-contract.md) and compiles the ValidRequest it returns: it b
 state prefix the way transformers 5.4.0's `apply_chat_template(..., tokenize=True)` does, and
 appends each branch's suffix segment by segment, recording candidate and decision positions.
 Nothing here runs a model; what it refuses (a RequestError naming the JSON path) needs the pixels
-or the export: an image that does not decode, the chat template's refusal, max_length.
+or the export: an image that does not decode, a video that `video.probe_video` refuses, the chat
+template's refusal, max_length.
+
+A video state compiles in an order that costs least first: probe (count the frames, check every
+limit), plan (sampled frames, grid, timestamps: the token count), render and tokenize, lay out the
+questions (max_length), and only then decode the sampled frames and hand them to `on_images`.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from .image import (
 from .decode_pool import shared_decode_pool
 from .phases import PHASES, Phases  # noqa: F401  (PHASES: re-exported for callers)
 from .tokenizer import Tokenizer
+from .video import VideoConfig, VideoLimits, decode_frames, encode_prompt, patchify_video, plan_video, probe_video
 
 # The wire contract (limits, strict JSON, every check of a request) lives in wire.py: the compiler
 # compiles what `validate_request` returns. Re-exported for callers.
@@ -59,6 +65,7 @@ from .wire import (  # noqa: F401
     TextPart,
     ValidQuestion,
     ValidRequest,
+    VideoPart,
     parse_request_bytes,
     validate_request,
 )
@@ -87,18 +94,57 @@ class ImageInputs:
 
 
 @dataclass
+class VideoInputs:
+    """A state's video, its sampled frames decoded and resized: all the vision tower needs
+    (`Engine.vision_features` takes it as it takes ImageInputs).
+
+    The frames are kept as uint8 [T, C, H, W]; `pixel_values_on(device)` turns them into the
+    processor's fp32 pixel_values_videos where the tower runs (IEEE-exact on every device).
+    """
+
+    frames: torch.Tensor  # uint8 [T, C, H, W], the sampled frames in order
+    grid_thw: torch.Tensor  # [1, 3] int64: (frame pairs, height / patch, width / patch)
+    config: VideoConfig
+
+    def pixel_values_on(self, device: torch.device | str) -> torch.Tensor:
+        """[t * h * w, C * tp * p * p] fp32 patches of the video, computed on `device`."""
+        return patchify_video(self.frames.to(device, non_blocking=True), self.config)[0]
+
+
+@dataclass
 class StateInputs:
     """The shared prefix (length B): what the processor returns for the state messages.
 
     `pixel_values` is the CPU result, as the processor returns it; `image_inputs` what an engine
-    uploads instead (see ImageInputs).
+    uploads instead (see ImageInputs). A video state has no images and one video: its
+    `video_frames`, `video_grid_thw` and `video_inputs` stand where the image ones do.
     """
 
     input_ids: list[int]
-    mm_token_type_ids: list[int]  # 1 on image placeholder tokens, else 0
+    mm_token_type_ids: list[int]  # 1 on image placeholder tokens, 2 on video ones, else 0
     images: list[torch.Tensor]  # resized uint8 [1, C, H, W], prompt order
     image_grid_thw: torch.Tensor | None  # [n_images, 3] int64
     image_config: ImageConfig | None = None
+    video_frames: torch.Tensor | None = None  # resized uint8 [T, C, H, W], the sampled frames
+    video_grid_thw: torch.Tensor | None = None  # [1, 3] int64
+    video_config: VideoConfig | None = None
+
+    @property
+    def video_inputs(self) -> VideoInputs | None:
+        return VideoInputs(self.video_frames, self.video_grid_thw, self.video_config) if self.video_frames is not None else None
+
+    @property
+    def vision_inputs(self) -> ImageInputs | VideoInputs | None:
+        """What the vision tower reads for this state: its images, its video, or None (text)."""
+        return self.video_inputs if self.video_frames is not None else self.image_inputs
+
+    def pixel_values_videos_on(self, device: torch.device | str) -> torch.Tensor | None:
+        """[t * h * w, C * tp * p * p] fp32 patches of the video, computed on `device`."""
+        return self.video_inputs.pixel_values_on(device) if self.video_frames is not None else None
+
+    @property
+    def pixel_values_videos(self) -> torch.Tensor | None:
+        return self.pixel_values_videos_on("cpu")
 
     @property
     def image_inputs(self) -> ImageInputs | None:
@@ -173,11 +219,15 @@ class Compiler:
         media_kwargs: dict | None = None,
         image_limits: ImageLimits = ImageLimits(),
         decode_in_thread: bool | None = None,
+        video_config: VideoConfig | None = None,
+        video_limits: VideoLimits = VideoLimits(),
     ):
         """decode_in_thread: decode and resize images on a shared worker pool while this thread
         renders and tokenizes the state (True), or everything on the caller (False); None (the
         default) uses the pool only where there is work to overlap (`_worth_a_thread`). The
-        results are the same either way."""
+        results are the same either way.
+        video_config: the export's video processor settings (before media_kwargs); None: the
+        compiler refuses video states (an export without video_preprocessor_config.json)."""
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
             raise ConfigError(f"max_length must be a positive integer, got {max_length!r}")
         self.tokenizer = tokenizer
@@ -185,6 +235,8 @@ class Compiler:
         self.max_length = max_length
         self.media_kwargs = dict(media_kwargs or {})
         self.image_limits = image_limits
+        self.video_config = video_config.with_media_kwargs(media_kwargs or {}) if video_config is not None else None
+        self.video_limits = video_limits
         self.decode_in_thread = decode_in_thread
         self.image_token = tokenizer.special_tokens_map.get("image_token", "<|image_pad|>")
         self.image_token_id = tokenizer.token_id(self.image_token)
@@ -215,28 +267,34 @@ class Compiler:
     @classmethod
     def from_dir(cls, export_dir: Path, max_length: int = DEFAULT_MAX_LENGTH, media_kwargs: dict | None = None,
                  decode_in_thread: bool | None = None) -> "Compiler":
-        """Read tokenizer.json, tokenizer_config.json, chat_template.jinja, preprocessor_config.json."""
+        """Read tokenizer.json, tokenizer_config.json, chat_template.jinja, preprocessor_config.json
+        and, where the folder has it, video_preprocessor_config.json."""
         export_dir = Path(export_dir)
         tokenizer = Tokenizer.from_dir(export_dir)
         image_config = ImageConfig.from_file(export_dir / "preprocessor_config.json")
-        return cls(tokenizer, image_config, max_length=max_length, media_kwargs=media_kwargs, decode_in_thread=decode_in_thread)
+        video_path = export_dir / "video_preprocessor_config.json"
+        video_config = VideoConfig.from_file(video_path) if video_path.is_file() else None
+        return cls(tokenizer, image_config, max_length=max_length, media_kwargs=media_kwargs, decode_in_thread=decode_in_thread,
+                   video_config=video_config)
 
     # ---------------------------------------------------------------- public entry points
 
-    def compile_bytes(self, data: bytes, on_images: Callable[[ImageInputs], None] | None = None,
+    def compile_bytes(self, data: bytes, on_images: Callable[[ImageInputs | VideoInputs], None] | None = None,
                       timings: dict | None = None) -> CompiledRequest:
         phases = Phases(timings)
         request = parse_request_bytes(data)
         phases.lap("json")
         return self.compile(request, on_images, timings)
 
-    def compile(self, request: dict, on_images: Callable[[ImageInputs], None] | None = None,
+    def compile(self, request: dict, on_images: Callable[[ImageInputs | VideoInputs], None] | None = None,
                 timings: dict | None = None) -> CompiledRequest:
         """Validate a parsed request and compile it; raises RequestError on any bad input.
 
         on_images: called on this thread with the state's images as soon as they are decoded and
             resized (not for text-only states), before the questions are laid out; an engine
             starts the vision tower there. The state's text is tokenized while the images decode.
+            A video state's VideoInputs come last instead: after the questions passed max_length,
+            so a prompt too long is refused before any frame is converted.
         timings: when given, seconds per phase are added to it (see `PHASES`).
         """
         phases = Phases(timings)
@@ -244,29 +302,55 @@ class Compiler:
         phases.lap("validate")
         return self._compile_valid(valid, on_images, phases)
 
-    def _compile_valid(self, valid: ValidRequest, on_images: Callable[[ImageInputs], None] | None,
+    def _compile_valid(self, valid: ValidRequest, on_images: Callable[[ImageInputs | VideoInputs], None] | None,
                        phases: Phases) -> CompiledRequest:
         """A request `validate_request` returned (with this compiler's reserved tokens) -> token
         ids, pixels and positions. What is refused here needs the export or the pixels: an image
-        that does not decode or is past ImageLimits, a prompt past max_length."""
+        that does not decode or is past ImageLimits, a video past VideoLimits, a prompt past
+        max_length."""
         messages = [_template_message(message) for message in valid.messages]
         images = valid.images
         phases.lap("state_parse")
+        if valid.video is not None:
+            return self._compile_video(messages, valid.video, valid.questions, on_images, phases)
         state = self._encode_state(messages, images, on_images, phases)
         compiled = [self._compile_question(q, len(state.input_ids)) for q in valid.questions]
         phases.lap("questions")
-        base = len(state.input_ids)
-        suffix_total = sum(len(b.suffix_ids) for q in compiled for b in q.branches)
-        branch_count = sum(len(q.branches) for q in compiled)
-        return CompiledRequest(
-            model=MODEL_NAME,
-            state=state,
-            questions=compiled,
-            logical_tokens=base + suffix_total,
-            compute_tokens=branch_count * base + suffix_total,
-        )
+        return _assemble(state, compiled)
+
+    def _compile_video(self, messages: list[dict], video: VideoPart, questions: tuple[ValidQuestion, ...],
+                       on_images: Callable[[ImageInputs | VideoInputs], None] | None, phases: Phases) -> CompiledRequest:
+        """A video state: probe and plan (every limit, the token count), render and tokenize, the
+        questions (max_length), then decode the sampled frames and call `on_images` with them."""
+        if self.video_config is None:
+            raise RequestError(video.field, "this export takes no video (it has no video_preprocessor_config.json)")
+        probe = probe_video(video.data, video.mime_format, video.field, self.video_limits)
+        try:
+            plan = plan_video(probe.frame_count, probe.fps, probe.height, probe.width, self.video_config)
+        except ValueError as exc:  # a side under patch * merge, an aspect ratio the processor refuses
+            raise RequestError(video.field, str(exc)) from exc
+        phases.lap("video_probe")
+        text = self._render_state(messages, 0, video_count=1)
+        phases.lap("template")
+        try:
+            input_ids, mm_token_type_ids = encode_prompt(self.tokenizer, text, videos=[plan])
+        except ValueError as exc:  # user text holding the processor's <|placeholder|> marker
+            raise RequestError("state", str(exc)) from exc
+        phases.lap("tokenize")
+        compiled = [self._compile_question(q, len(input_ids)) for q in questions]
+        phases.lap("questions")
+        frames = decode_frames(video.data, probe, plan, video.field, self.video_limits)  # uint8 [T, 3, H', W']
+        phases.lap("video_decode")
+        video_inputs = VideoInputs(frames, torch.tensor([plan.grid_thw], dtype=torch.int64), self.video_config)
+        if on_images is not None:
+            on_images(video_inputs)
+            phases.lap("on_images")
+        state = StateInputs(input_ids, mm_token_type_ids, [], None, self.image_config,
+                            video_frames=frames, video_grid_thw=video_inputs.grid_thw, video_config=self.video_config)
+        return _assemble(state, compiled)
 
     # ---------------------------------------------------------------- encoding
+
 
     def _encode_state(self, messages: list[dict], images: list[ImagePart],
                       on_images: Callable[[ImageInputs], None] | None = None,
@@ -385,7 +469,7 @@ class Compiler:
                 return None
         return grids
 
-    def _render_state(self, messages: list[dict], image_count: int) -> str:
+    def _render_state(self, messages: list[dict], image_count: int, video_count: int = 0) -> str:
         """The chat template's text of the state, checked for the image and video tokens."""
         try:
             text = self.tokenizer.render_chat(messages, add_generation_prompt=False)
@@ -393,8 +477,8 @@ class Compiler:
             raise RequestError("state", f"the chat template rejected the state ({exc})") from exc
         if text.count(self.image_token) != image_count:
             raise ConfigError(f"chat template emitted {text.count(self.image_token)} {self.image_token} for {image_count} images")
-        if self.video_token in text:
-            raise ConfigError(f"chat template emitted {self.video_token} without a video")
+        if text.count(self.video_token) != video_count:
+            raise ConfigError(f"chat template emitted {text.count(self.video_token)} {self.video_token} for {video_count} videos")
         return text
 
     def _tokenize_state(self, text: str, grids: list[list[int]]) -> tuple[list[int], list[int]]:
@@ -477,6 +561,19 @@ class Compiler:
         )
 
 
+def _assemble(state: StateInputs, questions: list[Question]) -> CompiledRequest:
+    base = len(state.input_ids)
+    suffix_total = sum(len(b.suffix_ids) for q in questions for b in q.branches)
+    branch_count = sum(len(q.branches) for q in questions)
+    return CompiledRequest(
+        model=MODEL_NAME,
+        state=state,
+        questions=questions,
+        logical_tokens=base + suffix_total,
+        compute_tokens=branch_count * base + suffix_total,
+    )
+
+
 def _results(pending: list[_PendingImage]) -> list[_PreparedImage]:
     """Wait for every started image, in order; the first failure (in image order) is raised."""
     return [item.wait() for item in pending]
@@ -484,5 +581,6 @@ def _results(pending: list[_PendingImage]) -> list[_PreparedImage]:
 
 def _template_message(message: Message) -> dict:
     """A validated message in the chat template's shape (Valen's, after media rewriting)."""
-    content = [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"} for part in message.content]
+    content = [{"type": "text", "text": part.text} if isinstance(part, TextPart)
+               else {"type": "video"} if isinstance(part, VideoPart) else {"type": "image"} for part in message.content]
     return {"role": message.role, "content": content}

@@ -56,6 +56,8 @@ ALLOWED_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1"})
 _NAMES = {"mp4": "an MP4", "webm": "a WebM"}
 _DEMUXER_OPTIONS = {"mp4": {"enable_drefs": "0", "use_absolute_path": "0"}, "webm": {}}
 
+DECODE_THREADS = 2  # FFmpeg decoder threads per video (frame and slice threading)
+
 PLACEHOLDER = "<|placeholder|>"  # the processor's temporary marker; refused in prompt text
 
 
@@ -379,7 +381,9 @@ def _open(data: bytes, mime_format: str, field_name: str, limits: VideoLimits):
         codec = stream.codec_context.codec.canonical_name
         if codec not in limits.codecs:
             raise RequestError(field_name, f"codec {codec} not accepted; expected one of {', '.join(sorted(limits.codecs))}")
+        # A fixed thread count: AUTO alone starts one decoder thread per core for every request.
         stream.thread_type = "AUTO"
+        stream.codec_context.thread_count = DECODE_THREADS
         return container, stream, codec
     except BaseException:
         container.close()

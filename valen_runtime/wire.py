@@ -7,14 +7,17 @@
 - the request's shape and limits (`check_request`), which returns the request in canonical form:
   instructions and descriptions sent as JSON objects or arrays become their JSON text;
 - every further check of a request (`validate_request`): the text that enters the prompt, the
-  message structure, the images' base64; it returns a typed `ValidRequest`, all the compiler reads;
+  message structure, the images' and the video's base64; it returns a typed `ValidRequest`, all the
+  compiler reads;
 - the response body (`response_body`): answers in the upstream worker's key order.
 
 This is the only validator. What the compiler can still refuse needs the pixels or the export:
-an image's header and decode, the chat template's own refusal, max_length.
+an image's header and decode, a video's container, codec, frames and sizes (video.probe_video),
+the chat template's own refusal, max_length.
 Every refusal is a RequestError naming the JSON path; `http_status` maps it to the worker's code:
-BodyError 400 (the body is not a usable JSON object), TooLarge 413 (body or image over its byte
-limit), anything else 422.
+BodyError 400 (the body is not a usable JSON object), TooLarge 413 (a body, image or video over
+its byte limit), anything else 422 (the request is well-formed JSON that the contract, the
+decoders or max_length refuse).
 """
 
 from __future__ import annotations
@@ -30,9 +33,13 @@ from typing import BinaryIO, Iterable, Union
 
 from .errors import RequestError
 from .image import MAX_ASPECT_RATIO, MAX_IMAGE_BYTES, MAX_PIXELS, MAX_SIDE
+from .video import MAX_VIDEO_BYTES
 
 MODEL_NAME = "valen-preview-0923"
 MAX_BODY = 8 * 1024 * 1024
+# A request carrying a video may be larger: the 16 MiB video is some 22.4 MiB of base64. Readers
+# take up to this much; a body past MAX_BODY that holds no video is refused once parsed.
+MAX_VIDEO_BODY = 24 * 1024 * 1024
 MAX_QUESTIONS = 8
 MAX_OPTIONS = 255
 # Characters: a text state (a JSON state counts as its JSON text), and each question's
@@ -54,6 +61,9 @@ QUESTION_TYPES = ("choice", "noul", "score")
 # Each accepted data URL prefix and the image format its payload must decode as.
 DATA_URL_FORMATS = {"data:image/png;base64,": "png", "data:image/jpeg;base64,": "jpeg"}
 DATA_URL_PREFIXES = tuple(DATA_URL_FORMATS)
+# Each accepted video data URL prefix and the container (video.VIDEO_CONTAINERS) it must hold.
+VIDEO_URL_FORMATS = {"data:video/mp4;base64,": "mp4", "data:video/webm;base64,": "webm"}
+VIDEO_URL_PREFIXES = tuple(VIDEO_URL_FORMATS)
 ROLES = ("user", "assistant", "system")
 # Fixed noul candidates, byte for byte as in Valen's schema.py (docs/valen-model.md).
 NOUL_CANDIDATES = (
@@ -62,11 +72,11 @@ NOUL_CANDIDATES = (
 )
 
 __all__ = [
-    "MODEL_NAME", "MAX_BODY", "MAX_IMAGE_BYTES", "MAX_PIXELS", "MAX_SIDE", "MAX_ASPECT_RATIO", "MAX_QUESTIONS",
+    "MODEL_NAME", "MAX_BODY", "MAX_VIDEO_BODY", "MAX_VIDEO_BYTES", "MAX_IMAGE_BYTES", "MAX_PIXELS", "MAX_SIDE", "MAX_ASPECT_RATIO", "MAX_QUESTIONS",
     "MAX_OPTIONS", "MAX_TEXT", "MAX_NAME", "MIN_SCORE_LEVELS", "MAX_SCORE_LEVELS", "MAX_MESSAGE_IMAGES", "MAX_DEPTH",
     "BodyError", "TooLarge", "http_status", "read_limited", "read_request_source", "parse_request_bytes",
-    "check_request", "validate_request", "decode_request", "response_body", "encode_response",
-    "ValidRequest", "Message", "TextPart", "ImagePart", "ValidQuestion", "Candidate", "NOUL_CANDIDATES",
+    "check_request", "validate_request", "holds_video", "decode_request", "response_body", "encode_response",
+    "ValidRequest", "Message", "TextPart", "ImagePart", "VideoPart", "ValidQuestion", "Candidate", "NOUL_CANDIDATES",
 ]
 
 
@@ -77,13 +87,15 @@ class BodyError(RequestError):
 
 
 class TooLarge(RequestError):
-    """A body, file or image is over its byte limit (HTTP 413)."""
+    """A body, file, image or video is over its byte limit (HTTP 413)."""
 
     status = 413
 
 
 def http_status(error: RequestError) -> int:
-    """The worker's status code for a refused request: 400, 413 or 422."""
+    """The worker's status code for a refused request: 400 (BodyError: not a usable JSON object),
+    413 (TooLarge: a body, image or video past its byte limit), else 422 (the contract, a decoder
+    or max_length refused a well-formed request)."""
     return getattr(error, "status", 422)
 
 
@@ -98,8 +110,9 @@ def read_limited(stream: BinaryIO, limit: int = MAX_BODY, what: str = "body") ->
     return data
 
 
-def read_request_source(source: str, limit: int = MAX_BODY) -> bytes:
-    """A request from a file path, or "-" for standard input, read with `read_limited`."""
+def read_request_source(source: str, limit: int = MAX_VIDEO_BODY) -> bytes:
+    """A request from a file path, or "-" for standard input, read with `read_limited` (up to the
+    video body limit; `parse_request_bytes` refuses a body past MAX_BODY that holds no video)."""
     if source == "-":
         return read_limited(sys.stdin.buffer, limit, "stdin")
     with open(Path(source), "rb") as handle:
@@ -110,12 +123,13 @@ def read_request_source(source: str, limit: int = MAX_BODY) -> bytes:
 
 
 def parse_request_bytes(data: bytes) -> dict:
-    """A request body -> the JSON object it holds; BodyError / TooLarge otherwise."""
+    """A request body -> the JSON object it holds; BodyError / TooLarge otherwise. A body may be
+    up to MAX_VIDEO_BODY bytes if it holds a video (`holds_video`), else up to MAX_BODY."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise BodyError("body", "expected bytes")
     data = bytes(data)
-    if len(data) > MAX_BODY:
-        raise TooLarge("body", f"body is {len(data)} bytes; the limit is {MAX_BODY}")
+    if len(data) > MAX_VIDEO_BODY:
+        raise TooLarge("body", f"body is {len(data)} bytes; the limit is {MAX_VIDEO_BODY} with a video, {MAX_BODY} without")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -152,7 +166,24 @@ def parse_request_bytes(data: bytes) -> dict:
         raise BodyError("body", f"invalid JSON ({exc})") from exc
     if not isinstance(value, dict):
         raise BodyError("body", "the request must be a JSON object")
+    if len(data) > MAX_BODY and not holds_video(value):
+        raise TooLarge("body", f"body is {len(data)} bytes; the limit is {MAX_BODY} for a request without a video")
     return value
+
+
+def holds_video(request: dict) -> bool:
+    """Whether a parsed request's state is a video state or a message list with a video_url item
+    (by shape alone: what decides its body limit; whether the video is valid is checked later)."""
+    state = request.get("state")
+    if not isinstance(state, dict):
+        return False
+    if "video" in state:
+        return True
+    messages = state.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(message, dict) and isinstance(message.get("content"), list)
+        and any(isinstance(item, dict) and item.get("type") == "video_url" for item in message["content"])
+        for message in messages)
 
 
 def _too_deep() -> BodyError:
@@ -195,7 +226,17 @@ class ImagePart:
     field: str
 
 
-ContentPart = Union[TextPart, ImagePart]
+@dataclass(frozen=True)
+class VideoPart:
+    """The state's video: its data URL's payload, base64-decoded (container, codec and frames are
+    the compiler's to decode, with video.probe_video). `field` is the JSON path errors name."""
+
+    mime_format: str  # mp4 | webm, from the data URL's prefix
+    data: bytes
+    field: str
+
+
+ContentPart = Union[TextPart, ImagePart, VideoPart]
 
 
 @dataclass(frozen=True)
@@ -223,7 +264,8 @@ class ValidRequest:
     """A request that passed every check of the contract: what the compiler compiles.
 
     Every state is a list of chat messages: text (and a JSON state, as its JSON text) is one user
-    message with one text part, an image state one user message with one image part.
+    message with one text part, an image (video) state one user message with one image (video)
+    part. A state holds at most one video, and never a video and images together.
     """
 
     model: str
@@ -235,6 +277,11 @@ class ValidRequest:
         """The state's images in prompt order."""
         return [part for message in self.messages for part in message.content if isinstance(part, ImagePart)]
 
+    @property
+    def video(self) -> VideoPart | None:
+        """The state's video, if it has one."""
+        return next((part for message in self.messages for part in message.content if isinstance(part, VideoPart)), None)
+
 
 # ---------------------------------------------------------------- shape and limits
 
@@ -245,7 +292,7 @@ def validate_request(request, reserved_tokens: Iterable[str] = ()) -> ValidReque
     reserved_tokens: strings no text that enters the prompt may hold (the export's control
     tokens; `Compiler` passes its tokenizer's). Checks run in a fixed order, so a request with
     several problems is always refused for the same one: the shape and limits (`check_request`),
-    then the questions' text, then the state's messages and images.
+    then the questions' text, then the state's messages, images and video.
     """
     canonical = check_request(request)
     reserved = tuple(reserved_tokens)
@@ -260,7 +307,7 @@ def check_request(request) -> dict:
     their JSON text, as the upstream worker reads them (Valen's prompt takes text there);
     everything else is as sent (an object state becomes its JSON text, and a null description its
     key, in `validate_request`'s result). Nothing is decoded here: the message structure, the
-    text's control tokens and the images' base64 are `validate_request`'s further checks.
+    text's control tokens and the images' and video's base64 are `validate_request`'s further checks.
     """
     if not isinstance(request, dict):
         raise BodyError("body", "the request must be a JSON object")
@@ -385,9 +432,15 @@ def _check_text_state(text: str, field: str = "state") -> str:
 
 
 def _state(state):
-    """Text, {image: data URL}, {messages: [...]} (our extension), or a JSON object / array (text)."""
+    """Text, {image: data URL}, {video: data URL}, {messages: [...]} (our extension), or a JSON
+    object / array (text)."""
     if isinstance(state, str):
         return _check_text_state(state)
+    if isinstance(state, dict) and "video" in state:
+        if list(state) != ["video"]:
+            raise RequestError("state", f"a video state holds exactly one video and no other key, got keys {sorted(map(str, state))}")
+        _check_video_url(state["video"], "state.video")
+        return state
     if isinstance(state, dict) and "image" in state:
         if list(state) != ["image"]:
             raise RequestError("state", f"an image state holds exactly one image and no other key, got keys {sorted(map(str, state))}")
@@ -399,31 +452,41 @@ def _state(state):
     if isinstance(state, (dict, list)):
         _check_text_state(_as_text(state, "state", "state"))  # limited as the JSON text the prompt holds
         return state
-    raise RequestError("state", "must be text, a JSON object or array, {image: data URL} or {messages: [...]}")
+    raise RequestError("state", "must be text, a JSON object or array, {image: data URL}, {video: data URL} or {messages: [...]}")
 
 
 def _check_image_url(url, field: str) -> None:
     """Prefix and byte size of a data URL, from its length alone (`_image_part` decodes it)."""
     if not isinstance(url, str) or not url.startswith(DATA_URL_PREFIXES):
         raise RequestError(field, "must be a data:image/png;base64,… or data:image/jpeg;base64,… URL")
-    payload = url.split(",", 1)[1]
-    if len(payload) > 4 * -(-MAX_IMAGE_BYTES // 3):
-        raise TooLarge(field, f"image is larger than {MAX_IMAGE_BYTES} bytes")
+    _check_payload_size(url.split(",", 1)[1], MAX_IMAGE_BYTES, "image", field)
+
+
+def _check_video_url(url, field: str) -> None:
+    """Prefix and byte size of a video data URL, from its length alone (`_video_part` decodes it)."""
+    if not isinstance(url, str) or not url.startswith(VIDEO_URL_PREFIXES):
+        raise RequestError(field, "must be a data:video/mp4;base64,… or data:video/webm;base64,… URL")
+    _check_payload_size(url.split(",", 1)[1], MAX_VIDEO_BYTES, "video", field)
+
+
+def _check_payload_size(payload: str, limit: int, what: str, field: str) -> None:
+    if len(payload) > 4 * -(-limit // 3):
+        raise TooLarge(field, f"{what} is larger than {limit} bytes")
     # Valid base64 of n bytes is 4 * ceil(n / 3) characters with up to two '=' of padding.
     decoded = len(payload) // 4 * 3 - len(payload[-2:]) + len(payload[-2:].rstrip("="))
-    if decoded > MAX_IMAGE_BYTES:
-        raise TooLarge(field, f"image is larger than {MAX_IMAGE_BYTES} bytes ({decoded})")
+    if decoded > limit:
+        raise TooLarge(field, f"{what} is larger than {limit} bytes ({decoded})")
 
 
 def _check_messages(messages) -> None:
-    """Count the extension's images and text; the message structure is `_valid_message_list`'s check.
+    """Count the extension's images, video and text; the message structure is `_valid_message_list`'s check.
 
     Walks tolerantly: shapes `_valid_message_list` refuses are skipped here, so its field paths
     stay the ones a client sees for them.
     """
     if not isinstance(messages, list):
         return
-    images, chars = 0, 0
+    images, videos, chars = 0, 0, 0
     for index, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
@@ -436,15 +499,24 @@ def _check_messages(messages) -> None:
             kind = item.get("type") if isinstance(item, dict) else None
             if kind == "text" and isinstance(item.get("text"), str):
                 chars += len(item["text"])
-            elif kind in ("image_url", "image"):
-                images += 1
-                if images > MAX_MESSAGE_IMAGES:
-                    raise RequestError(item_field, f"at most {MAX_MESSAGE_IMAGES} images per request")
+            elif kind in ("image_url", "image", "video_url"):
+                if kind == "video_url":
+                    videos += 1
+                    if videos > 1:
+                        raise RequestError(item_field, "at most one video per request")
+                else:
+                    images += 1
+                    if images > MAX_MESSAGE_IMAGES:
+                        raise RequestError(item_field, f"at most {MAX_MESSAGE_IMAGES} images per request")
+                if images and videos:  # the item that made the mix is the one named
+                    raise RequestError(item_field, "a state holds images or one video, not both")
                 url = item.get(kind)
                 url_field = f"{item_field}.{kind}"
                 if isinstance(url, dict):
                     url, url_field = url.get("url"), f"{url_field}.url"
-                if isinstance(url, str) and url.startswith(DATA_URL_PREFIXES):
+                if kind == "video_url" and isinstance(url, str) and url.startswith(VIDEO_URL_PREFIXES):
+                    _check_video_url(url, url_field)
+                elif kind != "video_url" and isinstance(url, str) and url.startswith(DATA_URL_PREFIXES):
                     _check_image_url(url, url_field)
     if chars > MAX_TEXT:
         raise RequestError("state.messages", f"the messages' text is {chars} characters; the limit is {MAX_TEXT}")
@@ -490,9 +562,11 @@ def _valid_question(qid: str, question: dict, reserved: tuple[str, ...]) -> Vali
 
 
 def _valid_messages(state, reserved: tuple[str, ...]) -> tuple[Message, ...]:
-    """A state that passed `check_request` -> its chat messages, text checked and images decoded."""
+    """A state that passed `check_request` -> its chat messages, text checked, images and video decoded."""
     if isinstance(state, dict) and list(state) == ["image"]:
         return (Message("user", (_image_part(state["image"], "state.image"),)),)
+    if isinstance(state, dict) and list(state) == ["video"]:
+        return (Message("user", (_video_part(state["video"], "state.video"),)),)
     if isinstance(state, dict) and list(state) == ["messages"]:
         return _valid_message_list(state["messages"], reserved)
     text = state if isinstance(state, str) else json.dumps(state, ensure_ascii=False, allow_nan=False)
@@ -536,10 +610,16 @@ def _valid_message_list(messages, reserved: tuple[str, ...]) -> tuple[Message, .
                     _only_keys(url, ("url",), url_field)
                     url, url_field = url.get("url"), f"{url_field}.url"
                 parts.append(_image_part(url, url_field))
-            elif kind in ("video", "video_url"):
-                raise RequestError(f"{item_field}.type", "video input is not supported")
+            elif kind == "video_url":
+                _only_keys(item, ("type", kind), item_field)
+                url = item.get(kind)
+                url_field = f"{item_field}.{kind}"
+                if isinstance(url, dict):
+                    _only_keys(url, ("url",), url_field)
+                    url, url_field = url.get("url"), f"{url_field}.url"
+                parts.append(_video_part(url, url_field))
             else:
-                raise RequestError(f"{item_field}.type", "must be text, image_url or image")
+                raise RequestError(f"{item_field}.type", "must be text, image_url, image or video_url")
         result.append(Message(role, tuple(parts)))
     return tuple(result)
 
@@ -562,6 +642,20 @@ def _image_part(url, field: str) -> ImagePart:
     if not data:
         raise RequestError(field, "empty image")
     return ImagePart(DATA_URL_FORMATS[prefix], data, field)
+
+
+def _video_part(url, field: str) -> VideoPart:
+    """A video data URL -> its container and decoded bytes (its size was checked by `_check_video_url`)."""
+    prefix = next((p for p in VIDEO_URL_PREFIXES if url.startswith(p)), None) if isinstance(url, str) else None
+    if prefix is None:
+        raise RequestError(field, "must be a data:video/mp4;base64,… or data:video/webm;base64,… URL")
+    try:
+        data = base64.b64decode(url[len(prefix):].encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError) as exc:
+        raise RequestError(field, "invalid base64 payload") from exc
+    if not data:
+        raise RequestError(field, "empty video")
+    return VideoPart(VIDEO_URL_FORMATS[prefix], data, field)
 
 
 # ---------------------------------------------------------------- the response

@@ -62,10 +62,10 @@ def test_batch_layout_rows(setup, long_image_request):
     compiler, config = setup
     compiled = compiler.compile(long_image_request)
     plan = choose(compiled, config, "batch")
-    inputs, (P, cut, N, L, C, n_img) = plan.inputs, plan.shape
+    inputs, (P, cut, N, L, C, n_visual) = plan.inputs, plan.shape
     state_ids, prefix_pos, suffix_ids, rows_pos = inputs.state_ids, inputs.prefix_pos, inputs.suffix_ids, inputs.rows_pos
-    assert plan.kind == "batch" and plan.key == ("batch", P, cut, N, L, C, n_img) and cut == (P // CHUNK) * CHUNK > 0 and L % 8 == 0
-    assert n_img == sum(compiled.state.mm_token_type_ids) == len(inputs.image_index) and inputs.features is None
+    assert plan.kind == "batch" and plan.key == ("batch", P, cut, N, L, C, n_visual) and cut == (P // CHUNK) * CHUNK > 0 and L % 8 == 0
+    assert n_visual == sum(compiled.state.mm_token_type_ids) == len(inputs.visual_index) and inputs.features is None
     full_pos, _ = rope_index(compiled.state.input_ids, compiled.state.mm_token_type_ids, compiled.state.image_grid_thw,
                              config.vision_config.spatial_merge_size)
     assert torch.equal(prefix_pos[:, 0], full_pos[:, :cut])
@@ -81,7 +81,7 @@ def test_one_pass_layout_rows(setup, long_image_request):
     state_ids, suffix_ids, source, rows_pos = inputs.state_ids, inputs.suffix_ids, inputs.source, inputs.rows_pos
     seq_ids, offsets, taps, cu_seqlens, chunk_indices, prefix_rows = (layout.seq_ids, layout.offsets, layout.conv_taps, layout.cu_seqlens,
                                                                       layout.chunk_indices, layout.prefix_rows)
-    P, cut, T, C, n_img, N, n, NT, L, S, prefix_lengths = plan.shape
+    P, cut, T, C, n_visual, N, n, NT, L, S, prefix_lengths = plan.shape
     assert plan.key == ("one-pass", *plan.shape)
     seq_lengths = cu_seqlens.diff().tolist()
     branches = sum(len(q.branches) for q in compiled.questions)
@@ -165,16 +165,16 @@ def test_several_requests_in_one_plan(setup, long_image_request, short_request):
     requests = [compiler.compile(r) for r in (long_image_request, short_request, text_long)]
     plan = one_pass.build(requests, config)
     inputs = plan.inputs
-    state_ids, suffix_ids, source, rows_pos, image_index, head = (inputs.state_ids, inputs.suffix_ids, inputs.source, inputs.rows_pos,
-                                                                  inputs.image_index, inputs.head_index)
-    P, cut, T, C, n_img, N, n, NT, L, S, prefix_lengths = plan.shape
+    state_ids, suffix_ids, source, rows_pos, visual_index, head = (inputs.state_ids, inputs.suffix_ids, inputs.source, inputs.rows_pos,
+                                                                  inputs.visual_index, inputs.head_index)
+    P, cut, T, C, n_visual, N, n, NT, L, S, prefix_lengths = plan.shape
     cuts = [(len(c.state.input_ids) // CHUNK) * CHUNK for c in requests]
     assert prefix_lengths == (cuts[0], 0, cuts[2]) and cuts[0] > 0 and cuts[2] > 0 and cut == cuts[0] + cuts[2]
     assert P == bucket(sum(len(c.state.input_ids) for c in requests)) and inputs.layout.cu_seqlens.tolist()[-1] == T and bucket(cut + T) == cut + T
     assert inputs.layout.attention_rows.shape == (3, L) and L == bucket(L)  # attention rows per request
     assert plan.branches_per_request == [sum(len(q.branches) for q in c.questions) for c in requests]
     types = [t for c in requests for t in c.state.mm_token_type_ids]  # image features land on the image tokens of [all states]
-    assert n_img == len(image_index) > 0 and image_index.tolist() == [i for i, t in enumerate(types) if t == 1]
+    assert n_visual == len(visual_index) > 0 and visual_index.tolist() == [i for i, t in enumerate(types) if t == 1]
     row_ids = torch.cat([state_ids[0], suffix_ids])[source].tolist()
     # The combined head rows, request by request, as each request's own plan would read them.
     k_cand, k_branch = 0, 0
@@ -208,13 +208,13 @@ def test_a_state_under_one_chunk_runs_as_rows(setup, short_request, prefix_layou
         P = len(compiled.state.input_ids)
         assert P < CHUNK and (sum(compiled.state.mm_token_type_ids) > 0) == bool(image)
         plan = choose(compiled, config, prefix_layout)
-        row_ids, rows_pos, image_index = plan.inputs.row_ids, plan.inputs.rows_pos, plan.inputs.image_index
-        N, L, C, n_img = plan.shape
+        row_ids, rows_pos, visual_index = plan.inputs.row_ids, plan.inputs.rows_pos, plan.inputs.visual_index
+        N, L, C, n_visual = plan.shape
         branches = sum(len(q.branches) for q in compiled.questions)
-        assert plan.kind == "rows" and plan.key == ("rows", N, L, C, n_img) and L % 32 == 0 and bucket(L // 32) == L // 32 and N == bucket(branches) and C == bucket(C)
-        assert row_ids.shape == (N, L) and rows_pos.shape == (3, N, L) and n_img == sum(compiled.state.mm_token_type_ids)
+        assert plan.kind == "rows" and plan.key == ("rows", N, L, C, n_visual) and L % 32 == 0 and bucket(L // 32) == L // 32 and N == bucket(branches) and C == bucket(C)
+        assert row_ids.shape == (N, L) and rows_pos.shape == (3, N, L) and n_visual == sum(compiled.state.mm_token_type_ids)
         assert (row_ids[:, :P] == torch.tensor(compiled.state.input_ids)).all()  # pad branches hold the state too
-        assert image_index.tolist() == [k * L + i for k in range(N) for i, t in enumerate(compiled.state.mm_token_type_ids) if t == 1]
+        assert visual_index.tolist() == [k * L + i for k in range(N) for i, t in enumerate(compiled.state.mm_token_type_ids) if t == 1]
         assert_head_rows_read_the_readout_tokens(plan, compiled, config, row_ids.reshape(-1).tolist(), rows_pos.reshape(3, -1))
 
 
@@ -317,8 +317,8 @@ def test_bucketed_plans_read_every_real_row_as_the_unbucketed_plan(setup, long_i
             "text": dict(short_request, state=" ".join(["an account of the order and its two charges"] * 7))}
     compiled = [compiler.compile(variant(base[kind], words, extra)) for kind, words, extra in shapes]
     padded, plain = one_pass.build(compiled, config), one_pass.build(compiled, config, buckets=False)
-    P, cut, T, C, n_img, N, n, NT, L, S, prefixes = padded.shape
-    assert all(bucket(x) == x for x in (P, cut + T, C, N, n, NT, S)) and (cut, n_img, prefixes) == (plain.shape.cut, plain.shape.n_img, plain.shape.prefixes)
+    P, cut, T, C, n_visual, N, n, NT, L, S, prefixes = padded.shape
+    assert all(bucket(x) == x for x in (P, cut + T, C, N, n, NT, S)) and (cut, n_visual, prefixes) == (plain.shape.cut, plain.shape.n_visual, plain.shape.prefixes)
     assert L == (bucket(L) if len(compiled) > 1 else cut + T)  # alone, attention runs over the whole row
 
     def rows(plan):  # per row: (token, positions, sequence, offset)

@@ -34,6 +34,7 @@ from valen_runtime.request import (  # noqa: E402
 )
 from valen_runtime.errors import RequestError  # noqa: E402
 from valen_runtime.image import ImageLimits  # noqa: E402
+from valen_runtime.wire import MAX_VIDEO_BODY  # noqa: E402
 
 MODEL = "valen-preview-0923"
 NOUL_TRUE = "True / 是：满足问题中的条件。"
@@ -448,7 +449,8 @@ REFUSALS = [
     (request(state={"messages": [{"role": "user", "content": []}]}), "state.messages[0].content", "non-empty"),
     (request(state={"messages": [{"role": "user", "content": ["x"]}]}), "state.messages[0].content[0]", "object"),
     (request(state={"messages": [{"role": "user", "content": [{"type": "audio"}]}]}), "state.messages[0].content[0].type", "text, image_url"),
-    (request(state={"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]}), "state.messages[0].content[0].type", "video"),
+    (request(state={"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]}), "state.messages[0].content[0].video_url.url", "data:video/mp4"),
+    (request(state={"messages": [{"role": "user", "content": [{"type": "video", "video": "x"}]}]}), "state.messages[0].content[0].type", "video_url"),
     (request(state={"messages": [{"role": "user", "content": [{"type": "text"}]}]}), "state.messages[0].content[0].text", "string"),
     (request(state={"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "y": 1}]}]}), "state.messages[0].content[0].y", "unknown"),
     (request(state={"messages": [{"role": "system", "content": "<|vision_end|>"}]}), "state.messages[0].content", "<|vision_end|>"),
@@ -496,7 +498,8 @@ BODY_REFUSALS = [
     (b"\xef\xbb\xbf{}", "invalid JSON"),
     (b'{"a": ' + b"1" * 5000 + b"}", "invalid JSON"),
     (b"[" * 100000 + b"]" * 100000, "JSON"),
-    (b" " * (MAX_BODY + 1), "limit"),
+    (b" " * (MAX_VIDEO_BODY + 1), "limit is 25165824 with a video, 8388608 without"),
+    (b'{"model": "m"}' + b" " * MAX_BODY, "limit is 8388608 for a request without a video"),
 ]
 
 

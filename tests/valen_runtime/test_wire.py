@@ -26,6 +26,7 @@ from valen_runtime.wire import (
     MAX_OPTIONS,
     MAX_QUESTIONS,
     MAX_TEXT,
+    MAX_VIDEO_BODY,
     BodyError,
     Candidate,
     ImagePart,
@@ -109,7 +110,7 @@ def _valen_run_peak(tmp_path, export, stdin) -> tuple[int, str, int]:
     return os.waitstatus_to_exitcode(status), err, usage.ru_maxrss
 
 
-def test_valen_run_refuses_an_endless_stdin_after_8_mib(tiny_export, tmp_path):
+def test_valen_run_refuses_an_endless_stdin_after_24_mib(tiny_export, tmp_path):
     small = tmp_path / "small.json"
     small.write_text("{")
     with open(small, "rb") as handle:
@@ -117,10 +118,10 @@ def test_valen_run_refuses_an_endless_stdin_after_8_mib(tiny_export, tmp_path):
     assert base_code == 2 and "invalid JSON" in base_err
     with open("/dev/zero", "rb") as zero:
         code, err, peak = _valen_run_peak(tmp_path, tiny_export["separate"], zero)
-    assert code == 2 and err.count("\n") == 1 and err.startswith("error: stdin: more than 8388608 bytes"), err
-    # Same process, same imports; what reading adds is at most the 8 MiB + 1 bytes read and one
-    # transient copy, rounded up to 4 x MAX_BODY for allocator slack.
-    assert (peak - base_peak) * 1024 < 4 * MAX_BODY, (peak, base_peak)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: stdin: more than {MAX_VIDEO_BODY} bytes"), err
+    # Same process, same imports; what reading adds is at most the 24 MiB + 1 bytes read (the
+    # video body limit) and one transient copy, plus allocator slack.
+    assert (peak - base_peak) * 1024 < 3 * MAX_VIDEO_BODY, (peak, base_peak)
 
 
 def test_valen_run_refuses_a_200_mib_file_without_reading_it(tiny_export, tmp_path):
@@ -129,7 +130,7 @@ def test_valen_run_refuses_a_200_mib_file_without_reading_it(tiny_export, tmp_pa
         handle.truncate(200 * 1024 * 1024)  # sparse: reading it would still return 200 MiB of zeros
     result = CliRunner().invoke(valen_run, ["--export", str(tiny_export["separate"]), "--device", "cpu", str(big)])
     assert result.exit_code == 2 and result.output.count("\n") == 1
-    assert f"{big}: more than {MAX_BODY} bytes" in result.output
+    assert f"{big}: more than {MAX_VIDEO_BODY} bytes" in result.output
 
 
 def test_valen_run_prints_the_wire_body(tiny_export, tmp_path):
@@ -438,6 +439,9 @@ def test_the_compiler_holds_no_request_checks():
         "str(exc)",  # an image's size after its EXIF turn cannot be resized (image.py's check)
         "f'the chat template rejected the state ({exc})'",  # the export's template raised
         "f'text must not contain {placeholder} together with images'",  # the rendered prompt
+        "str(exc)",  # a video's plan: a side under patch * merge or an aspect ratio (video.py's check)
+        "str(exc)",  # a video state's prompt holds the processor's placeholder (video.py's check)
+        "'this export takes no video (it has no video_preprocessor_config.json)'",  # the export
         "f'{length} tokens exceed max_length={self.max_length}; no truncation'",  # the tokenized prompt
     ])
     assigned = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign) for target in node.targets

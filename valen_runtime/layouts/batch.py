@@ -16,7 +16,7 @@ import torch
 
 from ..config import ModelConfig
 from ..request import CompiledRequest
-from .common import CHUNK, Plan, branches_of, head_logits, head_rows, image_index, state_embeds, state_positions
+from .common import CHUNK, Plan, branches_of, head_logits, head_rows, visual_index, state_embeds, state_positions
 
 name = "batch"
 
@@ -26,9 +26,9 @@ class Inputs(NamedTuple):
     prefix_pos: torch.Tensor  # [3, 1, cut]: the prefix's M-RoPE positions
     suffix_ids: torch.Tensor  # [N, L - tail]: each branch's suffix and pads
     rows_pos: torch.Tensor  # [3, N, L]: positions of every row (state tail, suffix, pads)
-    image_index: torch.Tensor  # [n_img]: the image tokens of the state
+    visual_index: torch.Tensor  # [n_visual]: the image or video tokens of the state
     head_index: torch.Tensor  # [C + N + C]: `common.head_rows` into the flattened [N * L]
-    features: torch.Tensor | None = None  # [n_img, H]: the vision tower's output (on the device)
+    features: torch.Tensor | None = None  # [n_visual, H]: the vision tower's output (on the device)
 
 
 class Shape(NamedTuple):
@@ -37,14 +37,14 @@ class Shape(NamedTuple):
     N: int  # branches
     L: int  # row length: state tail + longest suffix, a multiple of 8
     C: int  # candidates
-    n_img: int  # image tokens
+    n_visual: int  # image or video tokens
 
 
 def build(compiled: CompiledRequest, config: ModelConfig) -> Plan:
     st = compiled.state
     positions, next_pos = state_positions(compiled, config)
     branches = branches_of(compiled)
-    images = image_index(compiled)
+    images = visual_index(compiled)
     P = len(st.input_ids)
     cut = (P // CHUNK) * CHUNK
     N, tail = len(branches), P - cut
@@ -61,7 +61,7 @@ def build(compiled: CompiledRequest, config: ModelConfig) -> Plan:
 def forward(text, head, shape: Shape, inputs: Inputs) -> tuple[torch.Tensor]:
     """The prefix once into a cache, then the branches as one batch from it -> (logits [C] fp32,)."""
     cut, N, L, C = shape.cut, shape.N, shape.L, shape.C
-    embeds = state_embeds(text, inputs.state_ids, inputs.image_index, inputs.features)  # [1, P, H]
+    embeds = state_embeds(text, inputs.state_ids, inputs.visual_index, inputs.features)  # [1, P, H]
     rows = torch.cat([embeds[:, cut:].expand(N, -1, -1), text.embed(inputs.suffix_ids)], dim=1)  # [N, L, H]
     hidden = text(rows, inputs.rows_pos, cache=prefix_cache(text, embeds[:, :cut], inputs.prefix_pos).expand(N))
     return head_logits(head, hidden.reshape(N * L, -1), inputs.head_index, C, N)

@@ -1,5 +1,5 @@
 """What every shared-prefix layout shares: the plan it hands the engine, the state's positions and
-image tokens on the host, and the head rows (built on the host, read on the device)."""
+visual (image or video) tokens on the host, and the head rows (built on the host, read on the device)."""
 
 from __future__ import annotations
 
@@ -89,12 +89,14 @@ def rebuild(tree, tensors):
 def state_positions(compiled: CompiledRequest, config: ModelConfig) -> tuple[torch.Tensor, int]:
     """The state's M-RoPE positions [3, P] and the first position after it."""
     st = compiled.state
-    return rope_index(st.input_ids, st.mm_token_type_ids, st.image_grid_thw, config.vision_config.spatial_merge_size)
+    return rope_index(st.input_ids, st.mm_token_type_ids, st.image_grid_thw, config.vision_config.spatial_merge_size,
+                      video_grid_thw=st.video_grid_thw)
 
 
-def image_index(compiled: CompiledRequest) -> torch.Tensor:
-    """The state's image tokens (where the vision tower's features go), in order."""
-    return torch.from_numpy(np.flatnonzero(np.array(compiled.state.mm_token_type_ids, dtype=np.int64) == 1))
+def visual_index(compiled: CompiledRequest) -> torch.Tensor:
+    """The state's image or video tokens (where the vision tower's features go), in order. A
+    state holds images or one video, never both (wire.py), so the features are in this order."""
+    return torch.from_numpy(np.flatnonzero(np.array(compiled.state.mm_token_type_ids, dtype=np.int64) != 0))
 
 
 def branches_of(compiled: CompiledRequest) -> list[Branch]:
@@ -122,9 +124,10 @@ def head_logits(head, flat: torch.Tensor, head_index: torch.Tensor, C: int, N: i
     return ((c * d[head_index[C + N :]]).sum(-1) / head.scale,)
 
 
-def state_embeds(text, state_ids: torch.Tensor, image_index: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
-    """[1, P, H]; as HF's masked_scatter, image features replace the <|image_pad|> embeddings in order."""
+def state_embeds(text, state_ids: torch.Tensor, visual_index: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+    """[1, P, H]; as HF's masked_scatter, the vision tower's features replace the <|image_pad|>
+    (<|video_pad|>) embeddings in order."""
     embeds = text.embed(state_ids)
     if features is not None:
-        embeds = embeds.index_copy(1, image_index, features[None].to(embeds.dtype))
+        embeds = embeds.index_copy(1, visual_index, features[None].to(embeds.dtype))
     return embeds

@@ -27,7 +27,7 @@ import torch
 
 from ..config import ModelConfig
 from ..request import CompiledRequest
-from .common import CHUNK, Plan, branches_of, head_logits, head_rows, image_index, state_embeds, state_positions
+from .common import CHUNK, Plan, branches_of, head_logits, head_rows, visual_index, state_embeds, state_positions
 from .ladder import bucket, pad_head_rows, pad_sequences
 
 name = "one-pass"
@@ -57,10 +57,10 @@ class Inputs(NamedTuple):
     suffix_ids: torch.Tensor  # [S]: every branch's suffix, then the pad sequences' tokens and pads
     source: torch.Tensor  # [cut + T]: each row's token, an index into [state_ids | suffix_ids]
     rows_pos: torch.Tensor  # [3, 1, cut + T]: M-RoPE positions of every row
-    image_index: torch.Tensor  # [n_img]: the image tokens, into the states
+    visual_index: torch.Tensor  # [n_visual]: the image or video tokens, into the states
     head_index: torch.Tensor  # [C + N + C]: `common.head_rows` into the rows, padded
     layout: OnePass  # the rows' sequences, conv taps, delta-rule chunks and attention blocks
-    features: torch.Tensor | None = None  # [n_img, H]: the vision tower's output (on the device)
+    features: torch.Tensor | None = None  # [n_visual, H]: the vision tower's output (on the device)
 
 
 class Shape(NamedTuple):
@@ -71,7 +71,7 @@ class Shape(NamedTuple):
     cut: int  # prefix rows, all requests
     T: int  # continuation rows (pad sequences included)
     C: int  # candidates, with pad candidates (the real ones: sum(candidates_per_branch))
-    n_img: int  # image tokens
+    n_visual: int  # image or video tokens
     N: int  # branches, with pad branches
     n: int  # continuation sequences (pad sequences included)
     NT: int  # 64-token chunks of the continuations
@@ -111,7 +111,7 @@ def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = 
         cand_counts += [len(br.candidate_positions) for br in branches]
         branch_counts.append(len(branches))
         state_ids += st.input_ids
-        images.append(image_index(compiled) + state_offset)
+        images.append(visual_index(compiled) + state_offset)
         state_offset += P
     pad_id = requests[-1].questions[0].branches[0].suffix_ids[-1]
     real_lengths = [n for _, lengths in groups for n in lengths]
@@ -228,7 +228,7 @@ def _chunk_indices(lengths: list[int]) -> torch.Tensor:
 def forward(text, head, shape: Shape, inputs: Inputs) -> tuple[torch.Tensor]:
     """[prefixes | packed continuations] in one row through the fast model's `one_pass` sweep ->
     (logits [C] fp32,)."""
-    embeds = state_embeds(text, inputs.state_ids, inputs.image_index, inputs.features)  # [1, P, H]
+    embeds = state_embeds(text, inputs.state_ids, inputs.visual_index, inputs.features)  # [1, P, H]
     rows = torch.cat([embeds[0], text.embed(inputs.suffix_ids)])[inputs.source][None]  # [1, cut + T, H]
     hidden = text.one_pass(rows, inputs.rows_pos, inputs.layout)
     return head_logits(head, hidden[0], inputs.head_index, shape.C, shape.N)

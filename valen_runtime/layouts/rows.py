@@ -17,7 +17,7 @@ import torch
 
 from ..config import ModelConfig
 from ..request import CompiledRequest
-from .common import Plan, branches_of, head_logits, head_rows, image_index, state_positions
+from .common import Plan, branches_of, head_logits, head_rows, visual_index, state_positions
 from .ladder import bucket, pad_head_rows
 
 name = "rows"
@@ -26,16 +26,16 @@ name = "rows"
 class Inputs(NamedTuple):
     row_ids: torch.Tensor  # [N, L]: state, suffix, pads
     rows_pos: torch.Tensor  # [3, N, L]: M-RoPE positions of every row
-    image_index: torch.Tensor  # [N * n_img]: the image tokens of every row, into the flattened [N * L]
+    visual_index: torch.Tensor  # [N * n_visual]: the image or video tokens of every row, into the flattened [N * L]
     head_index: torch.Tensor  # [C + N + C]: `common.head_rows`, padded
-    features: torch.Tensor | None = None  # [n_img, H]: the vision tower's output (on the device)
+    features: torch.Tensor | None = None  # [n_visual, H]: the vision tower's output (on the device)
 
 
 class Shape(NamedTuple):
     N: int  # rows (branches, with pad branches)
     L: int  # row length
     C: int  # candidates, with pad candidates
-    n_img: int  # image tokens of one row
+    n_visual: int  # image or video tokens of one row
 
 
 def build(compiled: CompiledRequest, config: ModelConfig) -> Plan:
@@ -50,7 +50,7 @@ def build(compiled: CompiledRequest, config: ModelConfig) -> Plan:
     row_ids = torch.tensor([st.input_ids + s + [pad_id] * (L - P - len(s)) for s in suffixes])  # [N, L]
     rows_pos = torch.cat([positions[:, None, :].expand(3, N, -1), torch.arange(next_pos, next_pos + L - P).view(1, 1, -1).expand(3, N, -1)],
                          dim=2)  # [3, N, L]
-    images = (image_index(compiled)[None, :] + L * torch.arange(N)[:, None]).reshape(-1)  # every row's copy [N * n_img]
+    images = (visual_index(compiled)[None, :] + L * torch.arange(N)[:, None]).reshape(-1)  # every row's copy [N * n_visual]
     head_index, C = head_rows(branches, [k * L for k in range(len(branches))], [0] * len(branches))
     head_index, C, N_head = pad_head_rows(head_index, C, len(branches))
     assert N_head == N
@@ -63,8 +63,8 @@ def forward(text, head, shape: Shape, inputs: Inputs) -> tuple[torch.Tensor]:
     -> (logits [C] fp32,)."""
     N, L, C = shape.N, shape.L, shape.C
     embeds = text.embed(inputs.row_ids)  # [N, L, H]
-    if inputs.features is not None:  # each row's copy of the image features, in order
-        flat = embeds.reshape(N * L, -1).index_copy(0, inputs.image_index, inputs.features.to(embeds.dtype).repeat(N, 1))
+    if inputs.features is not None:  # each row's copy of the vision features, in order
+        flat = embeds.reshape(N * L, -1).index_copy(0, inputs.visual_index, inputs.features.to(embeds.dtype).repeat(N, 1))
         embeds = flat.view(N, L, -1)
     return head_logits(head, text(embeds, inputs.rows_pos).reshape(N * L, -1), inputs.head_index, C, N)
 

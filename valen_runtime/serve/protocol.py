@@ -18,7 +18,7 @@ import logging
 import re
 from typing import Callable
 
-from ..wire import MAX_BODY, encode_response
+from ..wire import MAX_VIDEO_BODY, encode_response
 
 log = logging.getLogger("valen_serve")
 
@@ -55,8 +55,8 @@ def check_body_headers(headers) -> int:
     if not _ASCII_DIGITS.fullmatch(lengths[0].strip()):
         raise _Answer(400, "Content-Length is not a number")
     length = int(lengths[0])
-    if length > MAX_BODY:
-        raise _Answer(413, f"body is {length} bytes; the limit is {MAX_BODY}")
+    if length > MAX_VIDEO_BODY:  # a body past MAX_BODY without a video: 413 once parsed (wire.py)
+        raise _Answer(413, f"body is {length} bytes; the limit is {MAX_VIDEO_BODY}")
     content_types = headers.getlist("content-type")
     if len(content_types) > 1:  # conflicting or not, the body's type would be a guess
         raise _Answer(415, f"exactly one Content-Type header is allowed, got {len(content_types)}")
@@ -93,7 +93,7 @@ class _BodyReads:
 
 
 async def read_body(receive, length: int, read_timeout: float) -> bytes:
-    """The body, never more than `length` (<= MAX_BODY) bytes; 408 when it does not arrive within read_timeout."""
+    """The body, never more than `length` (<= MAX_VIDEO_BODY) bytes; 408 when it does not arrive within read_timeout."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + read_timeout
     chunks, size, more = [], 0, True
