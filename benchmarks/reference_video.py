@@ -3,10 +3,11 @@
 transformers 5.4.0's video processor decodes a video file with torchcodec where it is importable
 (it is blocked in the reference process) and otherwise with `torchvision.io.read_video`, the
 decoder the pinned Valen environment ran (torchvision 0.21, on PyAV). Later torchvision releases
-dropped `read_video`, so `install_read_video` puts one back: the parity harness's reader where the
-checkout has one, else `read_video_tv021` below. Both follow 0.21: every frame keyed by its pts (a
-repeated pts keeps the later frame), those with pts >= 0 in pts order, `to_rgb()`, and
-`info["video_fps"] = float(stream.average_rate)`.
+dropped `read_video`, so `install_read_video` puts one back: the parity harness's
+(parity/video_reader.py, which also keeps 0.21's seek and its handling of decoder errors) where
+the checkout has it, else `read_video_tv021` below, which follows 0.21 on clean files: every frame
+keyed by its pts (a repeated pts keeps the later frame), those with pts >= 0 in pts order,
+`to_rgb()`, and `info["video_fps"] = float(stream.average_rate)`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def install_read_video():
     """Set `torchvision.io.read_video` (what transformers' torchvision video backend calls) to the
     parity harness's reader where there is one, else `read_video_tv021`; returns the reader."""
     try:
-        from parity.video import read_video  # the harness's reader, shared with the parity cases
+        from parity.video_reader import read_video  # the harness's reader, shared with the parity cases
     except ImportError:
         read_video = read_video_tv021
     import torchvision.io
