@@ -32,9 +32,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pyspng-*.whl \
   || echo "gpu_run: no pyspng wheel in .whl/ (make gpu-wheels): PNGs decode with Pillow"
-# PyAV (FFmpeg inside the wheel): video states, the video step and the video tests; the machine has none.
+# PyAV (FFmpeg inside the wheel; a runtime dependency, the video decoder), which the machine lacks.
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/av-*.whl \
-  || echo "gpu_run: no av wheel in .whl/ (make gpu-wheels): video requests are refused, video tests skip"
+  || { echo "gpu_run: no av wheel in .whl/: run make gpu-wheels again (video states need PyAV)"; exit 1; }
 # valen-serve's HTTP stack (the serve step and test_serve.py's gpu test) and pytest-xdist (the tests step)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/uvicorn-*.whl .whl/starlette-*.whl .whl/h11-*.whl .whl/anyio-*.whl \
   .whl/pytest_xdist-*.whl .whl/execnet-*.whl || exit 1
