@@ -71,7 +71,7 @@ fi
 if [[ " $STEPS " == *" video "* ]]; then  # builds fixture-2b and both exports when missing (as the latency step)
   timeout $(cap ${VIDEO_TIMEOUT:-540}) python3 benchmarks/video_latency.py --work "$WORK" --out "$OUT/video-latency.json" \
     --iters 10 --warmup 3 --ref-iters 3 ${VIDEO_ARGS:-} > "$OUT/video-latency.log" 2>&1
-  echo "video: exit $?"; grep -E "median|ready|done|ERROR|Error|decode peak" "$OUT/video-latency.log" | tail -30
+  echo "video: exit $?"; grep -E "^(v[0-9]|reference|decode peak|clips|engine|fixture|exports)|Error" "$OUT/video-latency.log" | tail -30
 fi
 
 if [[ " $STEPS " == *" parity "* ]]; then

@@ -7,9 +7,10 @@ WORK/video-clips), and measures per request, in ONE run:
   `decode_frames`, `patchify_video`; medians);
 - device: the vision tower over the video and the text stack + head, each CUDA-synchronised,
   on the engine's own calls (the graphs the end-to-end runs captured are replayed);
-- end to end: `Engine.run` (JSON, base64, both decode passes, preprocessing, tokenizer, vision,
-  text, head, answers), CUDA-synchronised, median and p90, in the engine's default configuration
-  for the device (on CUDA: shared prefix, fast kernels, compiled, CUDA graphs);
+- end to end: `Engine.run` on the parsed request (wire checks, base64, both decode passes,
+  preprocessing, tokenizer, vision, text, head, answers), CUDA-synchronised, median and p90, in
+  the engine's default configuration for the device (on CUDA: shared prefix, fast kernels,
+  compiled, CUDA graphs);
 - the reference: pinned transformers 5.4.0 processor + model + PEFT unmerged, eager, one forward
   per branch, in its own process with flash-linear-attention blocked and torchvision 0.21's
   `read_video` as its decoder (benchmarks/reference_latency.py --requests), and the speed-up;
@@ -19,7 +20,8 @@ WORK/video-clips), and measures per request, in ONE run:
   it fits 16 MiB) with `load_video` in a fresh process: ru_maxrss minus the process's own before.
 
     python benchmarks/video_latency.py --work /tmp/bench --out video.json
-    python benchmarks/video_latency.py --work /tmp/vb --out v.json --device cpu --preset tiny   # smoke run
+    python benchmarks/video_latency.py --work /tmp/vb --out v.json --device cpu --preset tiny \
+        --only v3s_320 --iters 2 --warmup 1 --ref-iters 1 --host-iters 2 --skip-decode-peak    # a CPU smoke run
 
 Not a test. Results: docs/benchmarks.md, "Video".
 """
@@ -66,22 +68,26 @@ CLIPS = {
     "v10s_640x360_choice4": (10, 640, 360, CHOICE4),
     "v10s_640x360_7branch": (10, 640, 360, MIXED),
 }
-# The clips' content: clips.py's moving ramp with a little noise, at an x264 quality that gives
-# screen-recording-like bitrates (0.3-0.7 MB per second of 640x360).
-CLIP_OPTIONS = {"noise": 16, "preset": "ultrafast", "crf": "28"}
+# The clips' content: clips.py's moving ramp with a little noise, encoded at 0.1 bit per pixel
+# (230 kbit/s at 320x240, 690 kbit/s at 640x360: web video's usual rates; the decode's cost
+# grows with the bitrate).
+CLIP_NOISE = 16
+BITS_PER_PIXEL = 0.1
 # The memory case: the longest clip at the largest frame the limits allow (valen_runtime.video:
 # 60 s, 1,048,576 px per frame, 16 MiB), at a bitrate that keeps it under 16 MiB.
 CAP_CLIP = {"seconds": 60, "width": 1280, "height": 720, "bitrate": "1500k"}
 
 
-def clip_bytes(work: Path, name: str, seconds: int, width: int, height: int) -> bytes:
-    """An H.264 MP4 clip (encoded once, then read from WORK/video-clips)."""
+def clip_bytes(work: Path, seconds: int, width: int, height: int) -> bytes:
+    """An H.264 MP4 clip at BITS_PER_PIXEL (encoded once, then read from WORK/video-clips)."""
     from valen_export.clips import encode_clip
 
-    path = work / "video-clips" / f"{name}.mp4"
+    rate = f"{round(width * height * FPS * BITS_PER_PIXEL / 1000)}k"
+    path = work / "video-clips" / f"{seconds}s-{width}x{height}-{rate}.mp4"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = encode_clip("mp4", "libx264", FPS, seconds * FPS, width, height, **CLIP_OPTIONS)
+        data = encode_clip("mp4", "libx264", FPS, seconds * FPS, width, height, noise=CLIP_NOISE, preset="ultrafast",
+                           b=rate, maxrate=rate, bufsize=f"{2 * int(rate[:-1])}k")
         path.with_suffix(".tmp").write_bytes(data)
         path.with_suffix(".tmp").replace(path)
     return path.read_bytes()
@@ -293,7 +299,7 @@ def main() -> None:
     config = VideoConfig.from_file(config_path, prompt.get("media_kwargs") or {})
 
     t = time.perf_counter()
-    clips = {name: clip_bytes(args.work, f"{s}s-{w}x{h}", s, w, h) for name, (s, w, h, _) in CLIPS.items()
+    clips = {name: clip_bytes(args.work, s, w, h) for name, (s, w, h, _) in CLIPS.items()
              if not args.only or any(o in name for o in args.only)}
     # The first request of each size carries the clip alone, the others a line of text beside it.
     requests = {name: video_request(data, CLIPS[name][3], with_text=not name.startswith("v3s_320"))
@@ -304,7 +310,7 @@ def main() -> None:
         "hardware": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
         "preset": args.preset, "lora": args.lora,
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "av": av.__version__,
-                     "ffmpeg": ".".join(map(str, av.library_versions.get("libavcodec", ())))},
+                     "libavcodec": ".".join(map(str, av.library_versions.get("libavcodec", ())))},
         "iters": args.iters, "warmup": args.warmup, "ref_iters": args.ref_iters, "host_iters": args.host_iters,
         "video_config": {"fps": config.fps, "min_frames": config.min_frames, "max_frames": config.max_frames,
                          "min_pixels": config.min_pixels, "max_pixels": config.max_pixels},
