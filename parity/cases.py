@@ -1,19 +1,23 @@
-"""Built-in parity cases: wire requests covering every question type, text and image state, several
-questions per request, Unicode (CJK, combining marks, emoji) and images that need resizing.
+"""Built-in parity cases: wire requests covering every question type, text, image and video
+states, several questions per request, Unicode (CJK, combining marks, emoji) and images that need
+resizing.
 
-Images are drawn in-process with PIL from fixed arithmetic (no randomness, no files), so every
-run sends identical bytes. Each case is a list of (name, request).
+Images are drawn in-process with PIL from fixed arithmetic (no randomness, no files); video clips
+are encoded in-process by `valen_export.clips.encode_clip` (fixed seeds, bitexact muxing, encoded
+once per process), so every run sends identical bytes. Each case is a list of (name, request).
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import io
+from fractions import Fraction
 
 from PIL import Image, ImageDraw
 
 MODEL = "valen-preview-0923"
-CASE_NAMES = ("text", "image", "noul", "score", "mixed")
+CASE_NAMES = ("text", "image", "noul", "score", "mixed", "video")
 
 
 def _pattern(width: int, height: int, seed: int) -> Image.Image:
@@ -202,7 +206,64 @@ def mixed_case() -> list[tuple[str, dict]]:
     ]
 
 
-_BUILDERS = {"text": text_case, "image": image_case, "noul": noul_case, "score": score_case, "mixed": mixed_case}
+# name: (MIME subtype = PyAV muxer, encoder, frame rate, frames, width, height, noise seed). Small
+# frames (64 x 48: 4 x 4 patches, 4 tokens per frame pair) keep the CPU gate fast; what varies is
+# what the sampling, the stamps and the decoders do with them (2 sampled frames per second).
+CLIPS = {
+    # 3 s at 10 fps: 6 of 30 frames sampled (0, 6, 12, 17, 23, 29), video_grid_thw [3, 4, 4].
+    "mp4_short": ("mp4", "libx264", 10, 30, 64, 48, 1),
+    # 2.93 s at 7.5 fps: 5 frames sampled, an odd count (the processor repeats the last), [3, 4, 4].
+    "webm_vp9_odd": ("webm", "libvpx-vp9", Fraction(15, 2), 22, 64, 48, 2),
+    # 12 s at 5 fps: 24 of 60 frames sampled (frames skipped), 12 pairs whose stamps pass 10 s.
+    "mp4_long": ("mp4", "libx264", 5, 60, 64, 48, 3),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def video_data_url(name: str) -> str:
+    mime, codec, rate, count, width, height, seed = CLIPS[name]
+    from valen_export.clips import encode_clip
+
+    data = encode_clip(mime, codec, rate, count, width, height, seed=seed)
+    return f"data:video/{mime};base64," + base64.b64encode(data).decode("ascii")
+
+
+def video_case() -> list[tuple[str, dict]]:
+    """One video per request (the wire contract): a `{"video": ...}` state and message lists (a
+    system turn, text before and after the clip; a video_url item as a string and as
+    `{"url": ...}`). Few branches (one per choice or noul question, two score grades): the CPU gate
+    runs them in every configuration."""
+    return [
+        ("mp4_short", _req({"video": video_data_url("mp4_short")},
+                           {"motion": {"type": "choice", "instructions": "Which way does the pattern move?", "criteria": {"left": "To the left", "right": "To the right"}}})),
+        (
+            "webm_vp9_odd_messages",
+            _req(
+                {"messages": [
+                    {"role": "system", "content": "You judge screen recordings."},
+                    {"role": "user", "content": [
+                        {"type": "video_url", "video_url": video_data_url("webm_vp9_odd")},
+                        {"type": "text", "text": "Short clip. 短片。"},
+                    ]},
+                ]},
+                {"noise": {"type": "noul", "instructions": "Is the clip noisy? 有噪点吗？"}},
+            ),
+        ),
+        (
+            "mp4_long_text_around",
+            _req(
+                {"messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "A screen recording, 12 seconds:"},
+                    {"type": "video_url", "video_url": {"url": video_data_url("mp4_long")}},
+                    {"type": "text", "text": "Did the screen change after 10 s? 之后呢？"},
+                ]}]},
+                {"change": {"type": "score", "instructions": "How much does the screen change?", "criteria": ["Not at all", "A lot 很多"]}},
+            ),
+        ),
+    ]
+
+
+_BUILDERS = {"text": text_case, "image": image_case, "noul": noul_case, "score": score_case, "mixed": mixed_case, "video": video_case}
 
 
 def cases(name: str) -> list[tuple[str, str, dict]]:

@@ -1,8 +1,8 @@
 """Comparison maths: one runtime run against the reference runs, judged by its declared gate.
 
 Three steps, each a function:
-1. `measure_request`: the exact checks of one request (token ids, usage, pixel values, rotary
-   tables, the runtime's answer JSON against Valen's formulas on its own logits) and, per question,
+1. `measure_request`: the exact checks of one request (token ids, usage, pixel values of images
+   and videos, rotary tables, the runtime's answer JSON against Valen's formulas on its own logits) and, per question,
    the probabilities of every side (runtime, and the reference in each dtype that ran).
 2. `gate_bounds`: the numbers the gate compares against, from the declared parameters and, for
    the fp32-rounding and truth-relative gates, the bf16 reference's own error on the same requests.
@@ -78,6 +78,9 @@ def compare_tokens(ref_prompt: dict, compiled) -> list[str]:
     rt_grid = None if st.image_grid_thw is None else st.image_grid_thw.tolist()
     if ref_prompt.get("image_grid_thw") != rt_grid:
         problems.append(f"state.image_grid_thw: reference {ref_prompt.get('image_grid_thw')}, runtime {rt_grid}")
+    rt_video_grid = None if st.video_grid_thw is None else st.video_grid_thw.tolist()
+    if ref_prompt.get("video_grid_thw") != rt_video_grid:
+        problems.append(f"state.video_grid_thw: reference {ref_prompt.get('video_grid_thw')}, runtime {rt_video_grid}")
     rq_list, cq_list = ref_prompt["questions"], compiled.questions
     if [q["qid"] for q in rq_list] != [q.qid for q in cq_list]:
         problems.append(f"question order: reference {[q['qid'] for q in rq_list]}, runtime {[q.qid for q in cq_list]}")
@@ -165,7 +168,7 @@ def _answer_formula_delta(kind: str, keys: list[str], descriptions: list[str], p
 
 
 def measure_request(case: str, name: str, refs: dict, requested: str, outcome, gate: Gate, ref_pixels=None, ref_rotary=None,
-                    temperature: float = 1.0) -> dict:
+                    temperature: float = 1.0, ref_pixels_videos=None) -> dict:
     """One request's report entry before the numeric gate: the exact checks and, per question,
     every side's logits and probabilities. `refs`: {dtype: reference record}; `outcome`: the
     runtime's (parity.runtime_adapter.Outcome); `temperature`: the runtime's, at which every
@@ -195,6 +198,9 @@ def measure_request(case: str, name: str, refs: dict, requested: str, outcome, g
     rt_px = compiled.state.pixel_values
     if ref_pixels is not None or rt_px is not None:
         entry["checks"]["pixel_values"] = compare_tensor("pixel_values", ref_pixels, None if rt_px is None else rt_px.cpu(), gate.pixel_values_max_abs)
+    rt_video_px = compiled.state.pixel_values_videos  # the processor's pixel_values_videos, computed on the CPU
+    if ref_pixels_videos is not None or rt_video_px is not None:
+        entry["checks"]["pixel_values_videos"] = compare_tensor("pixel_values_videos", ref_pixels_videos, rt_video_px, gate.pixel_values_max_abs)
     entry["checks"]["rotary"] = compare_rotary(ref_rotary, outcome.rotary, gate.rotary_max_abs)
 
     formula_max = 0.0

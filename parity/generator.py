@@ -11,7 +11,9 @@ chunks of the delta rule), and images: PNG, JPEG, odd non-square sizes, EXIF ori
 RGBA PNG, below min_pixels, sizes whose patch grid lands exactly on .5 (where smart_resize's
 half-to-even rounding matters), two images in one conversation. Question kinds: choice (1-5
 options, Unicode keys, null criteria), noul, score with 2-10 grades; requests carry 1-3 questions
-of mixed kinds.
+of mixed kinds. Every set ends with the `video` case group's requests (parity/cases.py: MP4 and
+WebM clips, short and long, one with an odd sampled-frame count, text before and after the video,
+every question type); they come after the rotation, so the rotation's draws do not depend on them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import random
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .cases import jpeg_data_url, png_data_url
+from .cases import jpeg_data_url, png_data_url, video_case
 
 MODEL = "valen-preview-0923"
 CI_QUESTIONS = 40
@@ -172,12 +174,17 @@ def generate(seed: int = 0, questions: int = GPU_QUESTIONS) -> list[tuple[str, s
     return out
 
 
+def with_videos(requests: list[tuple[str, str, dict]]) -> list[tuple[str, str, dict]]:
+    """`requests` followed by the video group's requests (case "video")."""
+    return requests + [("video", name, request) for name, request in video_case()]
+
+
 def ci_set(seed: int = 0) -> list[tuple[str, str, dict]]:
-    return generate(seed, CI_QUESTIONS)
+    return with_videos(generate(seed, CI_QUESTIONS))
 
 
 def gpu_set(seed: int = 0) -> list[tuple[str, str, dict]]:
-    return generate(seed, GPU_QUESTIONS)
+    return with_videos(generate(seed, GPU_QUESTIONS))
 
 
 SETS = {"ci": ci_set, "gpu": gpu_set}

@@ -63,6 +63,9 @@ class AnchorRun:
     def pixel_values(self, rid: str):
         return self.reference.pixel_values(rid)
 
+    def pixel_values_videos(self, rid: str):
+        return self.reference.pixel_values_videos(rid)
+
     def rotary(self, rid: str):
         return self.reference.rotary(rid)
 
@@ -147,7 +150,7 @@ def judge_run(setup: Setup, requests, refs: dict, gate: Gate, runtime: RuntimeRu
         ref_run = refs[requested]
         entries.append(compare.measure_request(case, name, usable, requested, runtime.outcomes[rid], gate,
                                                ref_pixels=ref_run.pixel_values(rid), ref_rotary=ref_run.rotary(rid),
-                                               temperature=setup.options.temperature))
+                                               temperature=setup.options.temperature, ref_pixels_videos=ref_run.pixel_values_videos(rid)))
     try:
         bounds = compare.gate_bounds(gate, bf16_err)
     except ValueError as e:

@@ -11,13 +11,19 @@ Wire request -> Valen record, as the System1-Omni worker does it (docs/wire-cont
 - a string state is one user turn;
 - `{"image": data URL}` is decoded to a file (`input.png` / `input.jpg` in a request-scoped temp
   directory) and becomes a user turn holding one `image_url` item pointing at that file;
+- `{"video": data URL}` (`data:video/mp4` or `data:video/webm`) is decoded to `input.mp4` /
+  `input.webm` the same way and becomes a user turn holding one `video_url` item;
 - `{"messages": [...]}` is copied; image items carrying data URLs (`image_url` with a string or
-  `{"url": ...}`, or `image`) are decoded to files the same way and become `image_url` items;
+  `{"url": ...}`, or `image`) and `video_url` items (a string or `{"url": ...}`) are decoded to
+  files the same way and become `image_url` / `video_url` items; one video per request, and no
+  image beside it (the wire contract);
 - any other object or array is text, serialised with `json.dumps(ensure_ascii=False)`;
 - a null choice criterion defaults to its key.
-Valen's compiler then rewrites every `image_url` item to `{"type": "image", "path": <abs>}`, which
-the processor loads itself (PIL open, EXIF transpose, RGB) and preprocesses with its torchvision
-backend. Nothing here resizes or normalises pixels.
+Valen's compiler then rewrites every `image_url` item to `{"type": "image", "path": <abs>}` and
+every `video_url` item to `{"type": "video", "path": <abs>}`, which the processor loads itself
+(images: PIL open, EXIF transpose, RGB; videos: `load_video` through `torchvision.io.read_video`,
+which the reference process installs from parity/video_reader.py) and preprocesses with its
+torchvision backends. Nothing here decodes, samples, resizes or normalises pixels.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ NOUL_CANDIDATES = (
     ("false", "False / 否：不满足问题中的条件。"),
 )
 QUESTION_TYPES = ("choice", "noul", "score")
-_MIME = {"data:image/png;base64,": ".png", "data:image/jpeg;base64,": ".jpg"}
+IMAGE_MIME = {"data:image/png;base64,": ".png", "data:image/jpeg;base64,": ".jpg"}
+VIDEO_MIME = {"data:video/mp4;base64,": ".mp4", "data:video/webm;base64,": ".webm"}
 
 
 class PromptError(ValueError):
@@ -61,7 +68,7 @@ class RefQuestion:
 class RefPrompt:
     """What Valen's Compiler.compile returns, minus the model inputs kept in `base`."""
 
-    base: dict  # processor output: input_ids [1, B], attention_mask, mm_token_type_ids, pixel_values, image_grid_thw
+    base: dict  # processor output: input_ids [1, B], attention_mask, mm_token_type_ids, pixel_values, image_grid_thw (or the video pair)
     questions: list[RefQuestion]
     logical_tokens: int
     compute_tokens: int
@@ -97,6 +104,7 @@ def prompt_json(base: dict, questions: list[dict], logical_tokens: int, compute_
         "input_ids": base["input_ids"][0].tolist(),
         "mm_token_type_ids": base["mm_token_type_ids"][0].tolist() if "mm_token_type_ids" in base else None,
         "image_grid_thw": base["image_grid_thw"].tolist() if "image_grid_thw" in base else None,
+        "video_grid_thw": base["video_grid_thw"].tolist() if "video_grid_thw" in base else None,
         "questions": questions,
         "logical_tokens": int(logical_tokens),
         "compute_tokens": int(compute_tokens),
@@ -107,16 +115,22 @@ def prompt_json(base: dict, questions: list[dict], logical_tokens: int, compute_
 # ---------------------------------------------------------------- wire request -> record
 
 
-def _write_data_url(url, media_dir: Path, stem: str) -> Path:
+def _write_data_url(url, media_dir: Path, stem: str, kinds: dict, what: str) -> Path:
+    expected = " or ".join(f"{prefix}..." for prefix in kinds)
     if not isinstance(url, str):
-        raise PromptError("image: expected a data:image/png;base64,... or data:image/jpeg;base64,... URL")
-    for prefix, suffix in _MIME.items():
+        raise PromptError(f"{what}: expected a {expected} URL")
+    for prefix, suffix in kinds.items():
         if url.startswith(prefix):
             data = base64.b64decode(url[len(prefix):], validate=True)
             path = media_dir / f"{stem}{suffix}"
             path.write_bytes(data)
             return path.resolve()
-    raise PromptError("image: expected a data:image/png;base64,... or data:image/jpeg;base64,... URL")
+    raise PromptError(f"{what}: expected a {expected} URL")
+
+
+def _item_url(item: dict, kind: str):
+    url = item.get(kind)
+    return url.get("url") if isinstance(url, dict) else url
 
 
 def wire_to_state(state, media_dir: Path):
@@ -125,11 +139,14 @@ def wire_to_state(state, media_dir: Path):
     if isinstance(state, str):
         return state
     if isinstance(state, dict) and list(state) == ["image"]:
-        path = _write_data_url(state["image"], media_dir, "input")
+        path = _write_data_url(state["image"], media_dir, "input", IMAGE_MIME, "image")
         return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(path)}}]}]}
+    if isinstance(state, dict) and list(state) == ["video"]:
+        path = _write_data_url(state["video"], media_dir, "input", VIDEO_MIME, "video")
+        return {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": str(path)}}]}]}
     if isinstance(state, dict) and list(state) == ["messages"]:
         messages = copy.deepcopy(state["messages"])
-        n = 0
+        images = videos = 0
         for message in messages:
             content = message.get("content")
             if not isinstance(content, list):
@@ -137,12 +154,17 @@ def wire_to_state(state, media_dir: Path):
             for i, item in enumerate(content):
                 kind = item.get("type") if isinstance(item, dict) else None
                 if kind in ("image_url", "image"):
-                    url = item.get(kind)
-                    if isinstance(url, dict):
-                        url = url.get("url")
-                    path = _write_data_url(url, media_dir, f"input-{n}")
-                    n += 1
+                    path = _write_data_url(_item_url(item, kind), media_dir, f"input-{images}", IMAGE_MIME, "image")
+                    images += 1
                     content[i] = {"type": "image_url", "image_url": {"url": str(path)}}
+                elif kind == "video_url":
+                    videos += 1
+                    if videos > 1:
+                        raise PromptError("state.messages: at most one video per request")
+                    path = _write_data_url(_item_url(item, kind), media_dir, "input", VIDEO_MIME, "video")
+                    content[i] = {"type": "video_url", "video_url": {"url": str(path)}}
+        if videos and images:
+            raise PromptError("state.messages: a video state holds no image beside the video")
         return {"messages": messages}
     return json.dumps(state, ensure_ascii=False)
 
@@ -238,9 +260,10 @@ class ReferencePromptBuilder:
             )
         )
         base.pop("video_metadata", None)
-        if "image_grid_thw" in base:
-            grid = base["image_grid_thw"]
-            media.append({"image_grid_thw": grid.tolist(), "visual_tokens": int(grid.prod(-1).sum()) // 4})
+        for key in ("image_grid_thw", "video_grid_thw"):
+            if key in base:
+                grid = base[key]
+                media.append({key: grid.tolist(), "visual_tokens": int(grid.prod(-1).sum()) // 4})
         B = int(base["input_ids"].shape[1])
         logical, compute = B, 0
         out = []

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from parity import video_reader
+
 LORA_PREFIX = "backbone.language_model.base_model.model."
 
 
@@ -129,6 +131,9 @@ def environment(device: str, dtype: str) -> dict:
         },
         "torch_num_threads": torch.get_num_threads(),
         "attn_implementation": "eager",
+        # Who decodes a video path for the processor (torchcodec blocked): parity.video_reader's
+        # torchvision 0.21 read_video on PyAV, with PyAV's and its FFmpeg's versions.
+        "video_decoder": video_reader.decoder_environment(),
     }
     return env
 

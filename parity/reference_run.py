@@ -30,7 +30,7 @@ from .errors import UsageProblem
 from .interrupts import critical
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-WORKER_FILES = ("isolation.py", "prompt.py", "reference.py", "reference_worker.py", "valen_source.py")
+WORKER_FILES = ("isolation.py", "prompt.py", "reference.py", "reference_worker.py", "valen_source.py", "video_reader.py")
 REFERENCE_DTYPES = ("bf16", "fp32", "fp64")
 
 
@@ -54,6 +54,9 @@ class ReferenceRun:
 
     def pixel_values(self, rid: str) -> torch.Tensor | None:
         return self._load(rid, "pixel_values_path")
+
+    def pixel_values_videos(self, rid: str) -> torch.Tensor | None:
+        return self._load(rid, "pixel_values_videos_path")
 
     def rotary(self, rid: str) -> dict | None:
         """{"positions": [3, T] int64, "tables": [2, T, R] fp32} of the request's first branch."""
@@ -89,7 +92,8 @@ def _read_results(directory: Path, requests: list[tuple[str, dict]]) -> dict:
     data = json.loads((directory / "reference.json").read_text(encoding="utf-8"))
     for rec, (rid, _) in zip(data["results"], requests):
         rec["id"] = rid
-        for name_key, path_key in (("pixel_values_file", "pixel_values_path"), ("rotary_file", "rotary_path")):
+        for name_key, path_key in (("pixel_values_file", "pixel_values_path"), ("pixel_values_videos_file", "pixel_values_videos_path"),
+                                   ("rotary_file", "rotary_path")):
             if rec.get(name_key):
                 rec[path_key] = str(directory / rec[name_key])
     return data

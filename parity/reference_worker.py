@@ -3,13 +3,16 @@
 Runs in its own interpreter so that nothing the runtime side imported (and no fast kernel) can
 leak into the reference. Order matters: the import blocker goes in before torch / transformers are
 imported, then TF32 matmul is switched off (PyTorch's default; cuDNN TF32 stays at PyTorch's
-default, as in the pinned environment: docs/valen-model.md), then the model is built once
-and every request of the job runs against it.
+default, as in the pinned environment: docs/valen-model.md) and torchvision 0.21's PyAV
+`read_video` is installed as `torchvision.io.read_video` (parity/video_reader.py: with torchcodec
+blocked, the processor's `load_video` decodes through it, as in the pinned environment), then the
+model is built once and every request of the job runs against it.
 
 Job file (JSON): {"checkpoint": dir, "base": dir, "device": "cpu"|"cuda", "dtype": "bf16"|"fp32"|"fp64",
 "out": dir, "valen_source": dir|null, "threads": int|null, "requests": [{"id": str, "request": wire request}]}.
 Writes OUT/reference.json, one OUT/pixels-<n>.pt per image request (pixel_values, for the
-image-preprocessing comparison) and one OUT/rope-<n>.pt per request: the position ids the
+image-preprocessing comparison), one OUT/video-pixels-<n>.pt per video request
+(pixel_values_videos) and one OUT/rope-<n>.pt per request: the position ids the
 reference's text rotary embedding received for the request's first branch [3, T] and its cos / sin
 tables for them, recomputed in fp32 [2, T, R] (for the rotary comparison). Exit 0 when the model
 was built (per-request rejections are results), 3 when the reference itself could not be built
@@ -35,6 +38,10 @@ import torch  # noqa: E402
 from valen_runtime.safetensors_file import sha256_file  # noqa: E402
 
 torch.backends.cuda.matmul.allow_tf32 = False
+
+from parity import video_reader  # noqa: E402
+
+video_reader.install()
 
 
 def _model_kernels(model) -> dict:
@@ -100,6 +107,11 @@ def run_job(job: dict) -> dict:
         origin = {"kind": "rebuilt", "what": "parity.reference (docs/valen-model.md, from checkpoint.pt + base)"}
     build_s = time.perf_counter() - t0
     env = reference.environment(device, dtype)
+    # The processor must decode videos with the pinned decoder, never with torchcodec.
+    if env["kernels"]["is_torchcodec_available"] or env["kernels"]["find_spec"]["torchcodec"]:
+        raise reference.ReferenceBuildError("torchcodec is importable in the reference process; the pinned environment decoded videos with PyAV")
+    if env["video_decoder"]["read_video"] != f"{video_reader.__name__}.read_video":
+        raise reference.ReferenceBuildError(f"torchvision.io.read_video is {env['video_decoder']['read_video']}, not parity.video_reader's")
     env["live_model"] = _model_kernels(model)
     env["image_processor"] = f"{type(processor.image_processor).__module__}.{type(processor.image_processor).__name__}"
     env["image_processor_backend"] = [c.__name__ for c in type(processor.image_processor).__mro__ if "Backend" in c.__name__]
@@ -128,6 +140,10 @@ def run_job(job: dict) -> dict:
             name = f"pixels-{n}.pt"
             torch.save(prompt.base["pixel_values"].contiguous(), out / name)
             rec["pixel_values_file"] = name
+        if "pixel_values_videos" in prompt.base:
+            name = f"video-pixels-{n}.pt"
+            torch.save(prompt.base["pixel_values_videos"].contiguous(), out / name)
+            rec["pixel_values_videos_file"] = name
         if rotary.positions is not None:
             name = f"rope-{n}.pt"
             torch.save(rotary.tables(), out / name)

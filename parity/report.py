@@ -73,6 +73,7 @@ def summary(entries: list[dict]) -> dict:
         "usage_equal": sum(1 for c in checks("usage") if c["ok"]),
         "rotary_equal": sum(1 for c in checks("rotary") if c["ok"]),
         "max_pixel_values_abs": _max(c["max_abs"] for c in checks("pixel_values")),
+        "max_pixel_values_videos_abs": _max(c["max_abs"] for c in checks("pixel_values_videos")),
         "max_rotary_abs": _max(c["max_abs"] for c in checks("rotary")),
         "max_answer_formula_abs": _max(c["max_abs"] for c in checks("answer_formula")),
     }

@@ -94,7 +94,8 @@ def rotary_tables(engine, compiled) -> dict:
     branch = compiled.questions[0].branches[0]
     ids = st.input_ids + branch.suffix_ids
     types = st.mm_token_type_ids + [0] * len(branch.suffix_ids)
-    positions, _ = rope_index(ids, types, st.image_grid_thw, engine.model.config.vision_config.spatial_merge_size)
+    positions, _ = rope_index(ids, types, st.image_grid_thw, engine.model.config.vision_config.spatial_merge_size,
+                              video_grid_thw=st.video_grid_thw)
     device = engine.model.device
     probe = torch.zeros(1, dtype=torch.float32, device=device)
     with torch.no_grad():

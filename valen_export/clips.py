@@ -12,10 +12,11 @@ from fractions import Fraction
 
 import numpy as np
 
-# Encoder options that keep the slow software encoders fast on a 2-core machine.
-_REALTIME = {"deadline": "realtime", "cpu-used": "8"}
+# Encoder options that keep the slow software encoders fast on a 2-core machine. VP8 takes a
+# negative cpu-used: a positive one in realtime mode adapts its speed to the measured encoding
+# time, so the bytes would depend on the machine's load.
 ENCODER_OPTIONS = {"libaom-av1": {"cpu-used": "8"}, "libx265": {"x265-params": "log-level=none"},
-                   "libvpx": _REALTIME, "libvpx-vp9": _REALTIME}
+                   "libvpx": {"deadline": "realtime", "cpu-used": "-8"}, "libvpx-vp9": {"deadline": "realtime", "cpu-used": "8"}}
 # MIME subtype (data:video/<subtype>) -> PyAV's muxer name.
 MUXERS = {"mp4": "mp4", "webm": "webm"}
 
@@ -33,12 +34,14 @@ def frames_array(count: int, height: int, width: int, seed: int = 0, noise: int 
 def encode_clip(container: str, codec: str, rate: int | Fraction, count: int, width: int, height: int,
                 seed: int = 0, noise: int = 64, **options: str) -> bytes:
     """An encoded clip of `count` frames_array frames at `rate` fps. container: a PyAV muxer
-    ("mp4", "webm"); codec: a PyAV encoder ("libx264", "libvpx-vp9", ...); yuv420p, so even sides."""
+    ("mp4", "webm"); codec: a PyAV encoder ("libx264", "libvpx-vp9", ...); yuv420p, so even sides.
+    The same arguments give the same bytes (on one PyAV build)."""
     import av
 
     options = {**ENCODER_OPTIONS.get(codec, {}), **options}
     buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format=container) as out:
+    # bitexact: no random Matroska SegmentUID and no muxer version tag, so equal arguments give equal bytes.
+    with av.open(buffer, mode="w", format=container, options={"fflags": "+bitexact"}) as out:
         stream = out.add_stream(codec, rate=rate)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.options = options

@@ -63,6 +63,10 @@ def test_pass_writes_table_and_report(tiny_fixture, tiny_export, control_request
         assert kernels["qwen3_5_FusedRMSNormGated"] is None and kernels["qwen3_5_is_fast_path_available"] is False
         assert env["live_model"]["gated_delta_rule"] == ["torch_chunk_gated_delta_rule"]
         assert env["tf32"]["cuda.matmul.allow_tf32"] is False and "cudnn.allow_tf32" in env["tf32"]
+        # videos are decoded by torchvision 0.21's PyAV read_video, never torchcodec; the decoder's versions are recorded
+        assert kernels["is_torchcodec_available"] is False
+        assert env["video_decoder"]["read_video"] == "parity.video_reader.read_video"
+        assert env["video_decoder"]["av"] and env["video_decoder"]["ffmpeg"] and "libavcodec" in env["video_decoder"]["libraries"]
     assert report["runtime"]["kernels"] == {"gated_delta": "torch", "attention": "eager"} and report["runtime"]["cuda_graphs"] is False
     assert report["runtime"]["dtype"] == "bfloat16" and report["runtime"]["mode"] == "per-branch"
     s = report["summary"]

@@ -202,8 +202,9 @@ def test_builtin_cases_cover_the_brief():
     for needle in ("白色", "\\u0301", "👍🏽", "नमस्ते"):
         assert needle in text or needle.encode().decode("unicode_escape") in text
     assert cases.cases("all") == all_cases  # deterministic bytes, images included
+    assert any(isinstance(r["state"], dict) and "video" in r["state"] for _, _, r in all_cases)
     with pytest.raises(KeyError):
-        cases.cases("video")
+        cases.cases("audio")
 
 
 def test_wire_state_to_record(tmp_path):

@@ -1,8 +1,9 @@
 """valen_runtime.video: bitwise against transformers 5.4.0's Qwen3VLVideoProcessor / Qwen3VLProcessor.
 
 The reference gets what the pinned Valen environment gave it: the frames torchvision 0.21's PyAV
-`read_video` decodes (re-implemented below as `read_video_tv021`) and `video_metadata` with the
-frame count and `float(stream.average_rate)`. Clips are encoded here with PyAV's own encoders.
+`read_video` decodes (the parity reference's decoder, parity/video_reader.py) and `video_metadata`
+with the frame count and `float(stream.average_rate)`. Clips are encoded here with PyAV's own
+encoders.
 """
 
 import dataclasses
@@ -20,6 +21,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 av = pytest.importorskip("av")  # pinned in requirements.txt; a deployment without it refuses videos
 
+from parity.video_reader import read_video  # noqa: E402
 from valen_export.clips import encode_clip, frames_array  # noqa: E402
 from valen_runtime import video as video_module  # noqa: E402
 from valen_runtime.errors import ConfigError, RequestError  # noqa: E402
@@ -69,14 +71,12 @@ def tokenizer(folder):
 # ---------------------------------------------------------------- clips and the reference decoder
 
 
-def read_video_tv021(data: bytes, container: str) -> tuple[np.ndarray, float]:
-    """torchvision 0.21 `read_video(path, pts_unit="sec")` on PyAV: every frame keyed by pts, those
-    with pts >= 0 in pts order, `to_rgb().to_ndarray()`; fps = float(average_rate)."""
-    with av.open(io.BytesIO(data), format=container) as c:
-        stream = c.streams.video[0]
-        frames = {frame.pts: frame for frame in c.decode(stream)}
-        rgb = np.stack([frames[pts].to_rgb().to_ndarray() for pts in sorted(frames) if pts >= 0])
-        return rgb, float(stream.average_rate)
+def read_video_pinned(data: bytes, suffix: str, directory) -> tuple[np.ndarray, float]:
+    """(uint8 [T, H, W, 3], fps) as the pinned environment's decoder gave them to the processor."""
+    path = directory / f"clip.{suffix}"
+    path.write_bytes(data)
+    video, _, info = read_video(str(path), start_pts=0.0, end_pts=None, pts_unit="sec", output_format="THWC")
+    return video.numpy(), info["video_fps"]
 
 
 CLIPS = {  # name: (MIME subtype, demuxer, encoder, frame rate, frames, width, height)
@@ -108,11 +108,11 @@ VIDEO_MESSAGES = [{"role": "user", "content": [{"type": "video"}, {"type": "text
 
 
 @pytest.mark.parametrize("name", list(CLIPS))
-def test_load_video_equals_the_processor_on_read_video_frames(name, clips, processor, config, tokenizer):
+def test_load_video_equals_the_processor_on_read_video_frames(name, clips, processor, config, tokenizer, tmp_path):
     mime = CLIPS[name][0]
     data = clips[name]
     got = load_video(data, mime, FIELD, config)
-    frames, fps = read_video_tv021(data, CLIPS[name][1])
+    frames, fps = read_video_pinned(data, CLIPS[name][1], tmp_path)
     text = tokenizer.render_chat(VIDEO_MESSAGES)
     ref = reference(processor, text, frames, fps)
     assert torch.equal(got.pixel_values, ref["pixel_values_videos"])
