@@ -4,8 +4,9 @@ Runs in its own process with flash-linear-attention & co. blocked (latency.py st
 cleaned environment). Per request: prompt building (processor, image preprocessing) + every
 branch's full forward + head. Writes {name: {times_s: [...], logits: [[...], ...]}} as JSON.
 `--requests FILE` times the requests of a JSON file ({name: request}) instead of
-bench_requests.py's; video states among them are decoded as torchvision 0.21 did
-(reference_video.py; video_latency.py writes such a file).
+bench_requests.py's (video_latency.py writes one). A video is decoded as the pinned environment
+did, by torchvision 0.21's `read_video` (parity/video_reader.py, installed as the parity
+reference worker installs it).
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from parity.isolation import install_blocker
 
 install_blocker()
 
+from parity import video_reader  # noqa: E402
+
+video_reader.install()
+
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_requests import benchmark_requests  # noqa: E402
-from reference_video import install_read_video, with_video_files  # noqa: E402
 
 from parity.prompt import ReferencePromptBuilder  # noqa: E402
 from parity.reference import build_reference, environment, question_logits  # noqa: E402
@@ -38,7 +42,6 @@ def sync(device: str) -> None:
 def main(checkpoint: str, base: str, out: str, iters: int, warmup: int, device: str = "cuda", dtype: str = "bf16",
          requests: str | None = None) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
-    install_read_video()
     model, config, processor = build_reference(Path(checkpoint), Path(base), device=device, dtype=dtype)
     builder = ReferencePromptBuilder(processor, max_length=config.get("max_length", 8192), media_kwargs=config.get("media_kwargs") or {})
     results = {"environment": environment(device, dtype)}
@@ -49,7 +52,7 @@ def main(checkpoint: str, base: str, out: str, iters: int, warmup: int, device: 
             for i in range(warmup + iters):
                 sync(device)
                 t = time.perf_counter()
-                prompt = builder.build(with_video_files(req, Path(media)), Path(media))  # the media files are written inside, as images are
+                prompt = builder.build(req, Path(media))
                 logits = question_logits(model, builder, prompt, device)
                 sync(device)
                 if i >= warmup:
