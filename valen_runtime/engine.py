@@ -271,6 +271,12 @@ class Engine:
 
     def _branch_logits(self, compiled: CompiledRequest, br, features) -> torch.Tensor:
         """Per-branch mode: one forward of state + suffix from position 0 (batch 1), then the head."""
+        hidden = self.branch_hidden(compiled, br, features)
+        return self.model.head.logits(hidden[br.candidate_positions], hidden[br.decision_position])
+
+    def branch_hidden(self, compiled: CompiledRequest, br, features) -> torch.Tensor:
+        """The text stack's last hidden states [T, H] of one branch (state + suffix, batch 1): what
+        the reference's language model returns for it (the head reads rows of it)."""
         m, st = self.model, compiled.state
         ids = st.input_ids + br.suffix_ids
         types = st.mm_token_type_ids + [0] * len(br.suffix_ids)
@@ -282,8 +288,7 @@ class Engine:
             # order, no host sync. A state holds images or one video, never both (wire.py).
             visual_mask = (torch.tensor(types) != 0).to(m.device)
             embeds = embeds.masked_scatter(visual_mask.view(1, -1, 1), features.to(embeds.dtype))
-        hidden = self.text(embeds, positions[:, None, :].to(m.device))[0]  # [T, H]
-        return m.head.logits(hidden[br.candidate_positions], hidden[br.decision_position])
+        return self.text(embeds, positions[:, None, :].to(m.device))[0]  # [T, H]
 
     @torch.no_grad()
     def execute_plan(self, compiled: CompiledRequest, plan: Plan, features: torch.Tensor | None) -> list[torch.Tensor]:

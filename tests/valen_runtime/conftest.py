@@ -38,6 +38,29 @@ def long_image_request() -> dict:
     return {"model": "valen-preview-0923", "state": state, "questions": QUESTIONS}
 
 
+def mp4_data_url(seconds: float = 3, width: int = 64, height: int = 48, rate: int = 10, **options) -> str:
+    """A real H.264 MP4 clip (valen_export.clips) as a data:video/mp4 URL."""
+    from valen_export.clips import encode_clip
+
+    clip = encode_clip("mp4", "libx264", rate, round(seconds * rate), width, height, **options)
+    return "data:video/mp4;base64," + base64.b64encode(clip).decode()
+
+
+@pytest.fixture(scope="session")
+def video_request() -> dict:
+    """A video alone (3 s, 64 x 48: 3 frame pairs of 4 tokens, with their stamps under one chunk)."""
+    return {"model": "valen-preview-0923", "state": {"video": mp4_data_url()}, "questions": QUESTIONS}
+
+
+@pytest.fixture(scope="session")
+def long_video_request() -> dict:
+    """A message-list video and a state longer than one chunk: the tower on t > 1 and a shared prefix."""
+    text = " ".join(["the parcel in the clip was left at the wrong door and the customer wants a refund"] * 6)
+    state = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": mp4_data_url(4, 96, 64)}},
+                                                       {"type": "text", "text": text}]}]}
+    return {"model": "valen-preview-0923", "state": state, "questions": QUESTIONS}
+
+
 @pytest.fixture(scope="session")
 def batch_requests(short_request, long_image_request) -> list[dict]:
     """A mix for batched runs: an image with a long text (a prefix), a short text (none), a long

@@ -114,9 +114,10 @@ def test_an_engine_refuses_options_its_model_does_not_have(tiny_export):
         Engine(model, Compiler.from_dir(tiny_export["separate"]), EngineOptions(device="cpu", dtype="bf16"))
 
 
-def test_the_vision_tower_is_queued_from_inside_the_compile(tiny_export, long_image_request):
-    """prepare() starts the tower once, from the compiler's on_images hook (before tokenization);
-    its output is the tower run on the compiled request's images afterwards."""
+def test_the_vision_tower_is_queued_from_inside_the_compile(tiny_export, long_image_request, long_video_request):
+    """prepare() starts the tower once, from the compiler's on_images hook (before tokenization;
+    for a video after the questions); its output is the tower run on the compiled request's
+    images (video) afterwards, one feature row per image (video) token."""
     engine = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32"))
     calls = []
     real = engine.vision_features
@@ -125,6 +126,35 @@ def test_the_vision_tower_is_queued_from_inside_the_compile(tiny_export, long_im
     assert len(calls) == 1
     assert torch.equal(features, real(compiled.state.image_inputs))
     assert engine.prepare(TEXT_REQUEST)[1] is None and len(calls) == 1  # a text state starts nothing
+    compiled, features = engine.prepare(long_video_request)
+    assert len(calls) == 2 and compiled.state.vision_inputs.grid_thw.tolist() == [[4, 4, 6]]
+    assert torch.equal(features, real(compiled.state.video_inputs))
+    assert features.shape[0] == compiled.state.mm_token_type_ids.count(2) == 4 * 6 and 1 not in compiled.state.mm_token_type_ids
+
+
+def test_a_video_past_max_length_is_refused_before_any_frame_is_decoded(tiny_export, monkeypatch):
+    """The token count of every branch is known from the probe and the plan: a clip whose prompt
+    passes max_length is refused (422, naming the question) before pass 2 converts a frame and
+    before the vision tower runs."""
+    from valen_runtime import request as request_module
+    from valen_runtime.errors import RequestError
+    from valen_runtime.request import Compiler
+    from valen_runtime.wire import http_status
+
+    from .conftest import QUESTIONS, mp4_data_url
+
+    base = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32"))
+    request = {"model": "valen-preview-0923", "state": {"video": mp4_data_url(4, 96, 64)}, "questions": {"q": QUESTIONS["q"]}}
+    length = len(base.compiler.compile(request).state.input_ids)
+    short = Compiler(base.compiler.tokenizer, base.compiler.image_config, max_length=length + 5, video_config=base.compiler.video_config)
+    engine = Engine(base.model, short, base.options)
+    decoded, towers = [], []
+    monkeypatch.setattr(request_module, "decode_frames", lambda *a, **k: decoded.append(a))
+    engine.vision_features = lambda inputs: towers.append(inputs)
+    with pytest.raises(RequestError) as info:
+        engine.run(request)
+    assert info.value.field == "questions.q" and "exceed max_length" in str(info.value) and http_status(info.value) == 422
+    assert decoded == [] and towers == []
 
 
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -149,11 +179,12 @@ def engine_fp32_bound(roundoff_bound, engine, request) -> float:
         table.data.copy_(original)
 
 
-def test_shared_prefix_equals_per_branch_fp32_cpu(tiny_export, short_request, long_image_request, roundoff_bound):
+def test_shared_prefix_equals_per_branch_fp32_cpu(tiny_export, short_request, long_image_request, video_request, long_video_request,
+                                                  roundoff_bound):
     """Exact in real arithmetic; fp32 rounding only (chunk boundaries and batching move)."""
     per_branch = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="per-branch"))
     shared_prefix = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="shared-prefix"))
-    for request in (short_request, long_image_request):
+    for request in (short_request, long_image_request, video_request, long_video_request):
         per, shared = per_branch.run(request), shared_prefix.run(request)
         assert max_diff(per.logits, shared.logits) <= engine_fp32_bound(roundoff_bound, per_branch, request)
         assert per.response["usage"] == shared.response["usage"]
@@ -184,7 +215,8 @@ def test_an_image_state_under_one_chunk_runs_as_rows_fp32_cpu(tiny_export, short
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_fast_layouts_compute_the_reference_function_cpu(tiny_export, short_request, long_image_request, dtype, roundoff_bound):
+def test_fast_layouts_compute_the_reference_function_cpu(tiny_export, short_request, long_image_request, video_request, long_video_request,
+                                                        dtype, roundoff_bound):
     """The fast engine (its one-pass layout, and its batch layout on the same plan) against the
     reference modules' shared-prefix engine and the per-branch engine. fp32: round-off only (the
     per-branch engine's own, engine_fp32_bound); bf16: within the shared-prefix bf16 gate's reach
@@ -194,7 +226,7 @@ def test_fast_layouts_compute_the_reference_function_cpu(tiny_export, short_requ
     reference = Engine.load(tiny_export["separate"], EngineOptions(**options, mode="shared-prefix", kernels="torch"))
     fast = Engine.load(tiny_export["separate"], EngineOptions(**options, mode="shared-prefix", kernels="fast"))
     assert fast.kernels["layers"] == "fused, eager" and fast.one_pass
-    for request in (short_request, long_image_request):
+    for request in (short_request, long_image_request, video_request, long_video_request):
         base, want = per_branch.run(request), reference.run(request)
         got = fast.run(request)
         compiled, features = fast.prepare(request)
@@ -204,7 +236,9 @@ def test_fast_layouts_compute_the_reference_function_cpu(tiny_export, short_requ
             assert max_diff(logits, want.logits) <= atol and max_diff(logits, base.logits) <= atol, (dtype, logits, want.logits)
         assert got.response["usage"] == base.response["usage"]
     assert fast.plan(fast.compiler.compile(long_image_request)).kind == "one-pass"
+    assert fast.plan(fast.compiler.compile(long_video_request)).kind == "one-pass"
     assert fast.plan(fast.compiler.compile(short_request)).kind == "rows"  # no chunk-aligned prefix to share
+    assert fast.plan(fast.compiler.compile(video_request)).kind == "rows"
 
 
 def plan_for(engine, compiled, one_pass: bool):
@@ -573,13 +607,15 @@ def test_run_answers_match_an_independent_computation(tiny_export, lora, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_batched_requests_answer_as_each_alone_cpu(tiny_export, batch_requests, dtype, roundoff_bound, assert_truth_relative):
-    """run_many sweeps four different requests (image + long text, short text, long text, image
-    alone) through the layers together; each one's logits are its own function, so they match
+def test_batched_requests_answer_as_each_alone_cpu(tiny_export, batch_requests, long_video_request, dtype, roundoff_bound,
+                                                   assert_truth_relative):
+    """run_many sweeps five different requests (image + long text, short text, long text, image
+    alone, video + long text) through the layers together; each one's logits are its own function, so they match
     the request run alone up to rounding: fp32 within the per-branch engine's own round-off at that
     request (engine_fp32_bound), bf16 (GEMM shapes change with the batch) within the parity gate's
     truth-relative bound of per-branch fp32, like the request alone."""
     export = tiny_export["separate"]
+    batch_requests = batch_requests + [long_video_request]
     fast = Engine.load(export, EngineOptions(device="cpu", dtype=dtype, mode="shared-prefix", kernels="fast"))
     assert fast.batches
     batched = fast.run_many(batch_requests)
@@ -597,10 +633,10 @@ def test_batched_requests_answer_as_each_alone_cpu(tiny_export, batch_requests, 
     assert_truth_relative([r.response for r in batched], truth, reference, batch_requests, "cpu")
 
 
-def test_run_many_of_one_request_is_run(tiny_export, long_image_request, short_request):
+def test_run_many_of_one_request_is_run(tiny_export, long_image_request, short_request, long_video_request):
     """m = 1 is the single-request path: bitwise the same logits, whatever the layout."""
     fast = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="bf16", mode="shared-prefix", kernels="fast"))
-    for request in (long_image_request, short_request):
+    for request in (long_image_request, short_request, long_video_request):
         (got,) = fast.run_many([request])
         want = fast.run(request)
         assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits)) and got.response == want.response
@@ -643,3 +679,54 @@ def test_valen_run_refuses_a_flipped_byte_unless_told_to_check_sizes_only(tiny_e
     assert refused.output.count("\n") == 1 and "valen_head.safetensors: sha256" in refused.output and "does not match the manifest's" in refused.output
     opted_out = CliRunner().invoke(valen_run, ["--export", str(export), "--device", "cpu", "--verify", "size", str(req)])
     assert opted_out.exit_code == 0 and json.loads(opted_out.output)["answers"]
+
+
+@pytest.fixture(scope="module")
+def reference_fp32(tiny_fixture):
+    """(model, processor): the reference's own model in fp32, built once for the module."""
+    from parity.reference import build_reference
+
+    model, _, processor = build_reference(tiny_fixture.checkpoint, tiny_fixture.base, dtype="fp32")
+    return model, processor
+
+
+@pytest.mark.parametrize("state", ["long_image_request", "long_video_request"])
+def test_per_branch_hidden_states_equal_transformers_own_model_fp32(reference_fp32, tiny_export, state, request):
+    """The whole per-branch path of an image or a video state (ids, pixels, vision tower, the
+    features scattered into the pad tokens, M-RoPE, the text stack with its LoRA) against the
+    reference's own model (transformers 5.4.0 + PEFT, parity/reference.py) in fp32, fed by the
+    pinned processor: for a video, the frames and video_metadata torchvision 0.21's read_video gives."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from .test_video import read_video_tv021
+
+    payload = request.getfixturevalue(state)
+    model, processor = reference_fp32
+    engine = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="per-branch"))
+    compiled, features = engine.prepare(payload)
+    media, text_item = payload["state"]["messages"][0]["content"]
+    url = media["image"] if media["type"] == "image" else media["video_url"]["url"]
+    data = base64.b64decode(url.split(",", 1)[1])
+    kind = "image" if media["type"] == "image" else "video"
+    prompt = processor.apply_chat_template([{"role": "user", "content": [{"type": kind}, text_item]}], tokenize=False, add_generation_prompt=False)
+    if kind == "image":
+        inputs = processor(text=[prompt], images=[Image.open(io.BytesIO(data))], return_tensors="pt")
+    else:
+        frames, fps = read_video_tv021(data, "mp4")
+        inputs = processor(text=[prompt], videos=[frames], video_metadata=[{"total_num_frames": len(frames), "fps": fps}], return_tensors="pt")
+    st = compiled.state
+    assert st.input_ids == inputs["input_ids"][0].tolist() and st.mm_token_type_ids == inputs["mm_token_type_ids"][0].tolist()
+    pixels = {k: inputs[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw") if k in inputs}
+    branch = compiled.questions[0].branches[0]
+    ids = st.input_ids + branch.suffix_ids
+    types = st.mm_token_type_ids + [0] * len(branch.suffix_ids)
+    with torch.no_grad():
+        model.backbone.rope_deltas = None
+        want = model.backbone(input_ids=torch.tensor([ids]), mm_token_type_ids=torch.tensor([types]), **pixels,
+                              use_cache=False, return_dict=True).last_hidden_state[0]
+        got = engine.branch_hidden(compiled, branch, features)
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 1e-5 * scale, ((got - want).abs().max().item(), scale)

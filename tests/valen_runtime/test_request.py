@@ -927,3 +927,114 @@ def test_image_token_with_strip_flags_is_expanded_in_the_text(folder, tmp_path):
             token["lstrip"] = True
     (changed / "tokenizer.json").write_text(json.dumps(tokenizer_json), encoding="utf-8")
     assert not Compiler.from_dir(changed)._image_token_stands_alone
+
+
+# ------------------------------------------------------------------ video states
+
+
+def mp4(seconds=3, width=64, height=48, rate=10, codec="libx264", container="mp4") -> bytes:
+    from valen_export.clips import encode_clip
+
+    return encode_clip(container, codec, rate, max(1, round(seconds * rate)), width, height)
+
+
+def video_url(data: bytes, mime="mp4") -> str:
+    return f"data:video/{mime};base64," + base64.b64encode(data).decode("ascii")
+
+
+def test_video_state_matches_transformers(compiler, processor):
+    """The compiled state of a message-list video (ids, types, pixel_values_videos, grid) equals
+    what the pinned processor gives for the same chat, with the frames and video_metadata that
+    torchvision 0.21's read_video produced (tests/valen_runtime/test_video.py)."""
+    from .test_video import read_video_tv021
+
+    clip = mp4(seconds=3.2, width=96, height=64)
+    content = [{"type": "text", "text": "What happens here?"}, {"type": "video_url", "video_url": {"url": video_url(clip)}}]
+    timings = {}
+    compiled = compiler.compile(request(state={"messages": [{"role": "user", "content": content}]}), timings=timings)
+    frames, fps = read_video_tv021(clip, "mp4")
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What happens here?"}, {"type": "video"}]}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    expected = processor(text=[text], videos=[frames], video_metadata=[{"total_num_frames": len(frames), "fps": fps}], return_tensors="pt")
+    state = compiled.state
+    assert state.input_ids == expected["input_ids"][0].tolist()
+    assert state.mm_token_type_ids == expected["mm_token_type_ids"][0].tolist() and 2 in state.mm_token_type_ids
+    assert torch.equal(state.video_grid_thw, expected["video_grid_thw"]) and state.image_grid_thw is None
+    assert torch.equal(state.pixel_values_videos, expected["pixel_values_videos"])  # bitwise
+    assert state.pixel_values is None and compiled.state.vision_inputs.grid_thw is state.video_grid_thw
+    assert timings["video_probe"] > 0 and timings["video_decode"] > 0
+
+
+@pytest.fixture(scope="module")
+def small_clip():
+    return mp4()
+
+
+def _video_state(url, where):
+    if where == "state":
+        return {"video": url}
+    item = {"type": "video_url", "video_url": url if where == "string" else {"url": url}}
+    return {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look:"}, item]}]}
+
+
+VIDEO_FIELDS = {"state": "state.video", "string": "state.messages[0].content[1].video_url",
+                "object": "state.messages[0].content[1].video_url.url"}
+# (clip maker, MIME, status, phrase): every check video.py makes on the bytes, reached through the
+# compiler with the default limits.
+VIDEO_REFUSALS = [
+    (lambda: mp4(seconds=0.05, rate=240), "mp4", "frame rate 240 exceeds 120"),
+    (lambda: mp4(seconds=61, rate=1), "mp4", "longer than 60 s"),
+    (lambda: mp4(seconds=0.1, width=64, height=16), "mp4", "each side must be at least 32"),
+    (lambda: mp4(seconds=0.1, width=2050, height=32), "mp4", "each side must be at most 2048"),
+    (lambda: mp4(seconds=0.1, width=1040, height=1024), "mp4", "1064960 pixels; the limit is 1048576"),
+    (lambda: mp4(seconds=0.4, codec="mpeg4"), "mp4", "codec mpeg4 not accepted"),
+    (lambda: mp4(seconds=0.4, codec="libvpx", container="webm"), "mp4", "not an MP4 file"),
+    (lambda: mp4(seconds=0.4), "webm", "not a WebM file"),
+    (lambda: mp4()[: len(mp4()) // 2], "mp4", "cannot be decoded as mp4"),  # moov at the end: cut off
+]
+
+
+# Every refusal as a video state; two of them in each message-item form too (the same code path).
+VIDEO_CASES = [(*r, "state") for r in VIDEO_REFUSALS] + [(*r, where) for r in (VIDEO_REFUSALS[0], VIDEO_REFUSALS[-1]) for where in ("string", "object")]
+
+
+@pytest.mark.parametrize("make, mime, phrase, where", VIDEO_CASES, ids=[f"{c[2][:24]}-{c[3]}" for c in VIDEO_CASES])
+def test_video_refusals_name_the_field(compiler, make, mime, phrase, where):
+    from valen_runtime.wire import http_status
+
+    with pytest.raises(RequestError) as info:
+        compiler.compile(request(state=_video_state(video_url(make(), mime), where)))
+    assert info.value.field == VIDEO_FIELDS[where] and phrase in str(info.value) and http_status(info.value) == 422, str(info.value)
+
+
+def test_a_video_the_processor_cannot_plan_is_a_request_error(folder, small_clip):
+    """Under limits that let a 16 px side through, the video smart_resize's refusal names the field."""
+    from valen_runtime.video import VideoConfig, VideoLimits
+
+    base = Compiler.from_dir(folder)
+    lenient = Compiler(base.tokenizer, base.image_config, video_config=VideoConfig.from_file(folder / "video_preprocessor_config.json"),
+                       video_limits=VideoLimits(min_side=16))
+    with pytest.raises(RequestError) as info:
+        lenient.compile(request(state={"video": video_url(mp4(seconds=0.4, width=64, height=16))}))
+    assert info.value.field == "state.video" and "must be larger than factor:32" in str(info.value)
+
+
+def test_a_video_state_refuses_the_processor_placeholder_and_an_export_without_video(folder, compiler, small_clip):
+    content = [{"type": "video_url", "video_url": video_url(small_clip)}, {"type": "text", "text": "<|placeholder|>"}]
+    with pytest.raises(RequestError) as info:
+        compiler.compile(request(state={"messages": [{"role": "user", "content": content}]}))
+    assert info.value.field == "state" and "<|placeholder|>" in str(info.value)
+    without = Compiler(compiler.tokenizer, compiler.image_config)  # no video_preprocessor_config.json
+    with pytest.raises(RequestError) as info:
+        without.compile(request(state={"video": video_url(small_clip)}))
+    assert info.value.field == "state.video" and "takes no video" in str(info.value)
+
+
+def test_a_long_video_is_refused_at_max_length_naming_the_question(folder, small_clip):
+    """max_length counts the video's stamped frame pairs: the question whose branch passes it is named."""
+    base = Compiler.from_dir(folder)
+    length = len(base.compile(request(state={"video": video_url(small_clip)})).state.input_ids)
+    short = Compiler(base.tokenizer, base.image_config, max_length=length + 10, video_config=base.video_config)
+    with pytest.raises(RequestError) as info:
+        short.compile(request(state={"video": video_url(small_clip)}))
+    assert info.value.field == "questions.q1" and f"exceed max_length={length + 10}" in str(info.value)

@@ -200,6 +200,19 @@ def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
 
 
+def mp4_url(data: bytes) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(data).decode("ascii")
+
+
+def _clip() -> bytes:
+    from valen_export.clips import encode_clip
+
+    return encode_clip("mp4", "libx264", 10, 30, 64, 48)  # 3 s: three frame pairs of 4 tokens
+
+
+CLIP = _clip()
+
+
 @pytest.fixture(scope="module")
 def worker(tiny_export, tmp_path_factory):
     server = Worker(tiny_export["separate"], tmp_path_factory.mktemp("serve"), "--queue-size", str(QUEUE_SIZE),
@@ -249,7 +262,8 @@ def test_answers_equal_valen_runs(worker, tiny_export, tmp_path, engine):
     from valen_runtime.cli import main as valen_run
 
     image = {"model": MODEL, "state": {"image": data_url(png_bytes(60, 40))}, "questions": MIXED}
-    for name, request in (("text", text_request(questions=MIXED)), ("image", image)):
+    video = {"model": MODEL, "state": {"video": mp4_url(CLIP)}, "questions": MIXED}
+    for name, request in (("text", text_request(questions=MIXED)), ("image", image), ("video", video)):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(request))
         printed = CliRunner().invoke(valen_run, ["--export", str(tiny_export["separate"]), "--device", "cpu", str(path)])
@@ -364,6 +378,52 @@ def test_images_past_their_limits(worker):
     for width, height, phrase in ((1025, 1024, "pixels"), (2049, 4, "each side"), (201, 1, "aspect ratio")):
         status, answer, _ = post(worker.port, {"model": MODEL, "state": {"image": data_url(png_bytes(width, height))}, "questions": question})
         assert status == 422 and phrase in answer["detail"], answer
+
+
+def test_videos_past_their_limits_and_damaged_videos_are_refused_and_the_worker_stays_up(worker, engine):
+    """Every video refusal has its status and field; truncated or damaged bytes are a 422 (or,
+    where FFmpeg reads through the damage, an answer), never a dead worker."""
+    import random
+
+    question = {"q": {"type": "choice", "instructions": "Colour?", "criteria": {"w": "White", "b": "Black"}}}
+
+    def video_request(url, where="state"):
+        state = {"video": url} if where == "state" else {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Look"}, {"type": "video_url", "video_url": {"url": url}}]}]}
+        return {"model": MODEL, "state": state, "questions": question}
+
+    # 16 MiB + 1 of video: 413 from the base64 length alone, in a body over 8 MiB (a video's may be).
+    over = mp4_url(bytes(16 * 1024 * 1024 + 1))
+    status, answer, _ = post(worker.port, video_request(over))
+    assert status == 413 and answer["detail"].startswith("state.video: video is larger than 16777216 bytes"), answer
+    cases = [
+        (video_request(mp4_url(CLIP[: len(CLIP) // 2])), "state.video: video cannot be decoded as mp4"),
+        (video_request("data:video/mp4;base64,@@@@"), "state.video: invalid base64 payload"),
+        (video_request("data:video/ogg;base64,AAAA"), "state.video: must be a data:video/mp4;base64"),
+        (video_request(mp4_url(CLIP), "messages") | {"state": {"video": mp4_url(CLIP), "image": data_url(png_bytes(4, 4))}},
+         "state: a video state holds exactly one video"),
+        ({"model": MODEL, "questions": question, "state": {"messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": mp4_url(CLIP)}, {"type": "image", "image": data_url(png_bytes(4, 4))}]}]}},
+         "state.messages[0].content[1]: a state holds images or one video, not both"),
+        ({"model": MODEL, "questions": question, "state": {"messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": mp4_url(CLIP)}, {"type": "video_url", "video_url": mp4_url(CLIP)}]}]}},
+         "state.messages[0].content[1]: at most one video per request"),
+    ]
+    for request, detail in cases:
+        status, answer, _ = post(worker.port, request)
+        assert status == 422 and answer["detail"].startswith(detail), (detail, answer)
+    rng = random.Random(0)
+    for _ in range(3):  # random damage inside the clip: decodes or is refused, never kills the worker
+        damaged = bytearray(CLIP)
+        for _ in range(4):
+            damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        status, answer, _ = post(worker.port, video_request(mp4_url(bytes(damaged))))
+        assert status == 200 or (status == 422 and answer["detail"].startswith("state.video: ")), answer
+    status, _, data = http_call(worker.port, "GET", "/health")
+    assert status == 200 and json.loads(data) == HEALTH
+    request = video_request(mp4_url(CLIP))
+    status, _, data = http_call(worker.port, "POST", "/v1/systemone", json.dumps(request).encode())
+    assert status == 200 and data == expected_bytes(engine, request)
 
 
 def test_limits_are_accepted_at_the_boundary(worker, engine):

@@ -520,3 +520,68 @@ def _compiler_for(folder):
     if folder not in _compilers:
         _compilers[folder] = Compiler.from_dir(folder)
     return _compilers[folder]
+
+
+# ---------------------------------------------------------------- video states
+
+
+def video_url(data: bytes, mime: str = "mp4") -> str:
+    return f"data:video/{mime};base64," + base64.b64encode(data).decode("ascii")
+
+
+def test_a_video_state_and_a_message_video_are_typed_video_parts():
+    from valen_runtime.wire import VideoPart
+
+    valid = validate_request(request(state={"video": video_url(b"\x00\x00\x00\x18ftyp", "mp4")}))
+    assert valid.video == VideoPart("mp4", b"\x00\x00\x00\x18ftyp", "state.video") and valid.images == []
+    for item in ({"type": "video_url", "video_url": video_url(b"webm", "webm")}, {"type": "video_url", "video_url": {"url": video_url(b"webm", "webm")}}):
+        valid = validate_request(request(state={"messages": [{"role": "user", "content": [{"type": "text", "text": "Look"}, item]}]}))
+        field = "state.messages[0].content[1].video_url" + (".url" if isinstance(item["video_url"], dict) else "")
+        assert valid.video == VideoPart("webm", b"webm", field)
+    assert validate_request(request()).video is None
+
+
+def test_video_state_refusals_name_the_field():
+    url = video_url(b"abc")
+    refused(request(state={"video": url, "extra": 1}), "state", "exactly one video")
+    refused(request(state={"video": 5}), "state.video", "data:video/mp4;base64")
+    refused(request(state={"video": "data:video/quicktime;base64,AAAA"}), "state.video", "data:video/mp4;base64")
+    refused(request(state={"video": "data:video/mp4;base64,@@@@"}), "state.video", "invalid base64")
+    refused(request(state={"video": "data:video/mp4;base64,"}), "state.video", "empty video")
+    item = "state.messages[0].content[1]"
+
+    def messages(*content):
+        return request(state={"messages": [{"role": "user", "content": list(content)}]})
+
+    video, image = {"type": "video_url", "video_url": url}, {"type": "image_url", "image_url": data_url(png_bytes())}
+    refused(messages(video, video), item, "at most one video per request")
+    refused(messages(video, image), item, "images or one video, not both")
+    refused(messages(image, video), item, "images or one video, not both")
+    text = {"type": "text", "text": "x"}
+    refused(messages(text, {"type": "video_url", "video_url": {"url": url, "detail": 1}}), f"{item}.video_url.detail", "unknown field")
+    refused(messages(text, {"type": "video", "video": url}), f"{item}.type", "text, image_url, image or video_url")
+    refused(messages({"type": "text", "text": "x"}, {"type": "video_url", "video_url": {"url": "https://x/y.mp4"}}), f"{item}.video_url.url", "data:video/mp4")
+
+
+def test_video_bytes_at_and_past_16_mib_are_413():
+    from valen_runtime.wire import MAX_VIDEO_BYTES
+
+    payload = os.urandom(MAX_VIDEO_BYTES)
+    assert len(validate_request(request(state={"video": video_url(payload)})).video.data) == MAX_VIDEO_BYTES
+    error = refused(request(state={"video": video_url(payload + b"x")}), "state.video", "larger than 16777216", TooLarge)
+    assert http_status(error) == 413
+    content = [{"type": "video_url", "video_url": {"url": video_url(payload + b"xy", "webm")}}]
+    refused(request(state={"messages": [{"role": "user", "content": content}]}), "state.messages[0].content[0].video_url.url", "larger than", TooLarge)
+
+
+def test_a_body_past_8_mib_is_read_only_for_a_video_and_never_past_24_mib():
+    """A video request may be up to MAX_VIDEO_BODY; any other body past MAX_BODY is 413 once parsed."""
+    video = json.dumps(request(state={"video": video_url(b"x")})).encode()
+    text = json.dumps(request()).encode()
+    assert decode_request(video + b" " * (MAX_VIDEO_BODY - len(video)))["state"] == {"video": video_url(b"x")}
+    for body, phrase in ((video + b" " * (MAX_VIDEO_BODY + 1 - len(video)), "with a video"),
+                         (text + b" " * (MAX_BODY + 1 - len(text)), "for a request without a video")):
+        with pytest.raises(TooLarge) as info:
+            decode_request(body)
+        assert info.value.field == "body" and phrase in str(info.value) and http_status(info.value) == 413
+    assert decode_request(text + b" " * (MAX_BODY - len(text)))["model"] == MODEL

@@ -184,7 +184,8 @@ def vision_inputs(model, grids, seed: int):
     return pixels, torch.tensor(grids), frame_lengths(grids)
 
 
-GRIDS = ([[1, 4, 4]], [[1, 6, 10], [2, 2, 4]], [[1, 12, 12]])
+# Image grids, and a video's (t = 4 frame pairs: long_video_request's grid).
+GRIDS = ([[1, 4, 4]], [[1, 6, 10], [2, 2, 4]], [[1, 12, 12]], [[4, 4, 6]])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -314,8 +315,9 @@ def test_cached_continuation_is_as_accurate_as_the_reference_modules(tiny_export
                     _continuation_probabilities(truth.text, head, prefix, tails))
 
 
+@pytest.mark.parametrize("state", ["long_image_request", "long_video_request"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_batch_layout_with_a_cached_prefix_is_as_accurate_as_per_branch(tiny_export, long_image_request, device):
+def test_batch_layout_with_a_cached_prefix_is_as_accurate_as_per_branch(tiny_export, state, device, request):
     """End to end: the batch layout runs the state's chunk-aligned prefix into a cache and every
     branch from it (the fast path, compiled with CUDA graphs on CUDA, where it is fp32's layout);
     its probabilities against per-branch fp32, no worse than per-branch bf16's (the reference's
@@ -325,14 +327,15 @@ def test_batch_layout_with_a_cached_prefix_is_as_accurate_as_per_branch(tiny_exp
     from valen_runtime.options import EngineOptions
     from valen_runtime.layouts import choose
 
+    long_request = request.getfixturevalue(state)  # an image or a video state, longer than one chunk
     export = tiny_export["separate"]
     fast = Engine.load(export, EngineOptions(device=device, dtype="bf16", mode="shared-prefix", kernels="fast"))
     per_branch = Engine.load(export, EngineOptions(device=device, dtype="bf16", mode="per-branch"))
     truth = Engine.load(export, EngineOptions(device=device, dtype="fp32", mode="per-branch"))
-    compiled, features = fast.prepare(long_image_request)
+    compiled, features = fast.prepare(long_request)
     plan = choose(compiled, fast.model.config, "batch")
     assert plan.kind == "batch" and plan.shape.cut > 0  # a cached prefix of cut > 0 tokens
     for _ in range(2 if device == "cuda" else 1):  # on CUDA the second run replays the captured graph
         got = [probabilities(lg.float().cpu()) for lg in fast.execute_plan(compiled, plan, features)]
-    probs = lambda engine: [probabilities(lg) for lg in engine.run(long_image_request).logits]  # noqa: E731
+    probs = lambda engine: [probabilities(lg) for lg in engine.run(long_request).logits]  # noqa: E731
     _truth_relative(got, probs(per_branch), probs(truth))
