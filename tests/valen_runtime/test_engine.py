@@ -438,6 +438,8 @@ def test_graph_replay_is_bitwise_equal_to_direct_execution(tiny_export, short_re
     # the three forwards (distinct plan keys unless two share a shape bucket) and the two towers
     keys = {graphed.plan(c).key for c in compiled} | {("vision", tuple(grid_list(compiled[1].state.image_grid_thw))), ("vision", tuple(video_grid))}
     assert set(graphed.graphs.graphs) == keys
+    video_inputs = compiled[2].state.vision_inputs
+    assert torch.equal(graphed.vision_features(video_inputs), direct.vision_features(video_inputs))  # a replay of its graph
     captured = len(graphed.graphs)
     for wire in requests:
         graphed.run(wire)
