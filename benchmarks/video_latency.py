@@ -4,7 +4,7 @@ Builds the `2b` preset (Qwen3.5-2B shapes, random weights) and its exports unles
 latency.py does), encodes H.264 MP4 clips at 30 fps (valen_export/clips.py; kept under
 WORK/video-clips), and measures per request, in ONE run:
 - host: the video's decode and preprocessing, step by step (`probe_video`, `plan_video`,
-  `decode_frames`, `patchify_video`; medians);
+  `decode_frames`, `patchify_video`; medians of --host-iters);
 - device: the vision tower over the video and the text stack + head, each CUDA-synchronised,
   on the engine's own calls (the graphs the end-to-end runs captured are replayed);
 - end to end: `Engine.run` on the parsed request (wire checks, base64, both decode passes,
@@ -274,7 +274,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--host-iters", type=int, default=10, help="runs of the host steps per clip")
+    ap.add_argument("--host-iters", type=int, default=5, help="runs of the host steps per clip")
     ap.add_argument("--ref-iters", type=int, default=3)
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--skip-decode-peak", action="store_true", help="no 60 s clip at the limits")

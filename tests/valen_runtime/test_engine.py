@@ -386,8 +386,9 @@ def test_cuda_paths_agree_with_per_branch(tiny_export, short_request, long_image
     """On CUDA: per-branch (the reference modules) vs shared-prefix on the reference modules / the
     fast path / the fast path replayed from CUDA graphs, fp32 and bf16. A video state (frame
     pairs on the tower, a shared prefix) runs the CUDA default only (bf16, fast, compiled,
-    graphs; the batch layout, fp32's on CUDA, meets it in fast/test_model.py): the other paths meet nothing a
-    video changes that the image does not, and the gpu-marked tests share one call's minutes."""
+    graphs; the batch layout, fp32's on CUDA, meets it in fast/test_model.py): the other paths
+    meet nothing a video changes that the image does not, and the gpu-marked tests share one
+    call's minutes."""
     tolerances = (("fp32", 1e-3), ("bf16", 0.15))
     if states == "video":
         pytest.importorskip("av")
@@ -438,7 +439,8 @@ def test_graph_replay_is_bitwise_equal_to_direct_execution(tiny_export, short_re
     video_grid = grid_list(compiled[2].state.video_grid_thw)
     assert video_grid[0][0] > 1  # several frame pairs in one tower call
     # the three forwards (distinct plan keys unless two share a shape bucket) and the two towers
-    keys = {graphed.plan(c).key for c in compiled} | {("vision", tuple(grid_list(compiled[1].state.image_grid_thw))), ("vision", tuple(video_grid))}
+    towers = {("vision", tuple(grid_list(compiled[1].state.image_grid_thw))), ("vision", tuple(video_grid))}
+    keys = {graphed.plan(c).key for c in compiled} | towers
     assert set(graphed.graphs.graphs) == keys
     video_inputs = compiled[2].state.vision_inputs
     assert torch.equal(graphed.vision_features(video_inputs), direct.vision_features(video_inputs))  # a replay of its graph
