@@ -73,8 +73,8 @@ CLIPS = {
 # grows with the bitrate).
 CLIP_NOISE = 16
 BITS_PER_PIXEL = 0.1
-# The memory case: the longest clip at the largest frame the limits allow (valen_runtime.video:
-# 60 s, 1,048,576 px per frame, 16 MiB), at a bitrate that keeps it under 16 MiB.
+# The memory case: the longest clip the limits allow (valen_runtime.video: 60 s, 1,048,576 px per
+# frame, 16 MiB) at the largest standard frame size under them, at a bitrate that fits 16 MiB.
 CAP_CLIP = {"seconds": 60, "width": 1280, "height": 720, "bitrate": "1500k"}
 
 
