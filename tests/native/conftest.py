@@ -76,21 +76,32 @@ def _unavailable(reason: str):
     pytest.skip(SKIP_PREFIX + reason)
 
 
+def run_bounded(args: list[str], what: str, on_timeout, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run with capture and a timeout; a command that hangs (a registry that never
+    answers, a stuck build) ends in `on_timeout(message)` (a skip or a failure), not a traceback."""
+    timeout = kwargs.pop("timeout")
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
+    except subprocess.TimeoutExpired:
+        on_timeout(f"{what} did not finish within {timeout} s")
+        raise AssertionError("unreachable: on_timeout must skip or fail")
+
+
 def crate_source_args(cargo: str, env: dict[str, str]) -> list[str]:
     """cargo arguments that make every crate local: Debian's (the opt-in) when its directory exists, else crates.io's, fetched."""
     debian = debian_crates_dir()
     if debian.is_dir():
-        prepare = subprocess.run(
+        prepare = run_bounded(
             [sys.executable, str(PREPARE_DEBIAN_CRATES), "--from", str(debian)],
-            capture_output=True, text=True, timeout=FETCH_TIMEOUT_S,
+            "preparing Debian's crates", _unavailable, timeout=FETCH_TIMEOUT_S,
         )
         if prepare.returncode != 0:
             _unavailable(f"Debian's crates in {debian} do not match native/Cargo.lock (`make native-deps` installs them): {prepare.stderr.strip().splitlines()[0]}")
         return ["--config", str(DEBIAN_OPT_IN)]
     for offline in (["--offline"], []):  # crates cargo downloaded before need no network
-        fetch = subprocess.run(
+        fetch = run_bounded(
             [cargo, "fetch", "--locked", *offline, "--manifest-path", str(CRATE)],
-            capture_output=True, text=True, timeout=FETCH_TIMEOUT_S, env=env, cwd=NATIVE,
+            "`cargo fetch` from crates.io", _unavailable, timeout=FETCH_TIMEOUT_S, env=env, cwd=NATIVE,
         )
         if fetch.returncode == 0:
             break
@@ -119,9 +130,9 @@ def native_binary() -> Path:
         _unavailable(NO_CARGO)
     env = cargo_env(cargo)
     with one_build_at_a_time():
-        build = subprocess.run(
+        build = run_bounded(
             [cargo, "build", "--release", "--locked", "--offline", *crate_source_args(cargo, env), "--manifest-path", str(CRATE)],
-            capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, env=env, cwd=NATIVE,
+            "cargo build of native/", pytest.fail, timeout=BUILD_TIMEOUT_S, env=env, cwd=NATIVE,
         )
     if build.returncode != 0:
         # A build failure is a real failure, not a skip: the crate is part of the product.
@@ -403,3 +414,9 @@ def native_vectors(native_exports, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def damages() -> dict:
     return DAMAGES
+
+
+@pytest.fixture()
+def bounded_run():
+    """`run_bounded`, for the test of how a hanging cargo ends."""
+    return run_bounded

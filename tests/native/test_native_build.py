@@ -251,3 +251,12 @@ def test_a_required_native_check_fails_when_no_native_reader_test_ran(tmp_path):
     result = run_native_tests(tmp_path, {"VALEN_NATIVE_REQUIRED": "1"}, *selection)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "no test ran the Rust reader" in result.stdout
+
+
+@pytest.mark.parametrize("outcome", [pytest.skip, pytest.fail], ids=["skip", "fail"])
+def test_a_hanging_cargo_ends_in_one_line_not_a_traceback(outcome, bounded_run):
+    """A registry that never answers or a stuck build: the conftest's bounded run turns the
+    timeout into the caller's skip (no crates) or failure (the build), naming what hung."""
+    expected = pytest.skip.Exception if outcome is pytest.skip else pytest.fail.Exception
+    with pytest.raises(expected, match=r"`cargo fetch` did not finish within 0.2 s"):
+        bounded_run([sys.executable, "-c", "import time; time.sleep(30)"], "`cargo fetch`", outcome, timeout=0.2)

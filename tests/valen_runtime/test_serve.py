@@ -32,6 +32,7 @@ HEALTH = {"status": "ready", "model": MODEL, "modality": "multimodal"}
 READ_TIMEOUT = 3.0  # the module server's --read-timeout: short, yet long enough to hold requests open on 2 busy cores
 QUEUE_SIZE = 8
 BODY_READS, BODY_READS_PER_CLIENT = 12, 10  # the module server's --max-body-reads and --max-body-reads-per-client
+LARGE_BODY_READS = 1  # ... and its --max-large-body-reads
 
 
 # ---------------------------------------------------------------- a server process
@@ -217,7 +218,8 @@ CLIP = _clip()
 def worker(tiny_export, tmp_path_factory):
     server = Worker(tiny_export["separate"], tmp_path_factory.mktemp("serve"), "--queue-size", str(QUEUE_SIZE),
                     "--read-timeout", str(READ_TIMEOUT), "--request-timeout", "120",
-                    "--max-body-reads", str(BODY_READS), "--max-body-reads-per-client", str(BODY_READS_PER_CLIENT))
+                    "--max-body-reads", str(BODY_READS), "--max-body-reads-per-client", str(BODY_READS_PER_CLIENT),
+                    "--max-large-body-reads", str(LARGE_BODY_READS))
     yield server
     assert server.stop() == 0
 
@@ -587,6 +589,28 @@ def test_body_read_caps_are_503_per_client_and_in_total_while_health_stays_ready
     finally:
         for sock in held:
             sock.close()
+
+
+def test_bodies_over_8_mib_have_their_own_read_cap(worker):
+    """Only a video request may be over 8 MiB (up to 24 MiB): --max-large-body-reads such bodies are
+    read at once; one more is 503 before its body is read, while small bodies are still read."""
+    large = MAX_BODY + 1024
+    held = socket.create_connection(("127.0.0.1", worker.port))
+    try:
+        held.sendall(head_bytes(large) + b'{"model": ')
+        time.sleep(0.3)  # the event loop has read its headers
+        with socket.create_connection(("127.0.0.1", worker.port)) as sock:
+            sock.sendall(head_bytes(large))
+            status, answer = read_response(sock, 60)
+        assert (status, answer["detail"]) == (503, f"too many bodies over {MAX_BODY} bytes being read: {LARGE_BODY_READS} (--max-large-body-reads)")
+        assert post(worker.port, text_request())[0] == 200
+    finally:
+        held.close()
+    time.sleep(0.3)  # the held body's slot is given back
+    padded = json.dumps(text_request()).encode()
+    padded = padded[:-1] + b" " * (large - len(padded)) + b"}"  # a complete large body, but no video
+    status, answer, _ = post(worker.port, padded)
+    assert (status, answer["detail"]) == (413, f"body: body is {large} bytes; the limit is {MAX_BODY} for a request without a video")
 
 
 # ---------------------------------------------------------------- files

@@ -14,10 +14,11 @@ requests in arrival order, up to `max_batch` of those already waiting at once (i
 layers where the engine batches: `Engine.run_many`; it never waits for more to arrive).
 
 Two separate bounds: at most `max_body_reads` requests (`max_body_reads_per_client` from one client
-address) may be sending their bodies at once, and at most `queue_size + 1` requests, bodies read,
+address, `max_large_body_reads` of them declaring more than 8 MiB, as only a video request may, up
+to 24 MiB) may be sending their bodies at once, and at most `queue_size + 1` requests, bodies read,
 are admitted (being parsed, waiting or running). A client that sends headers and then idles holds
 only a body-read slot, never inference capacity. Past either bound the answer is 503 (before the
-body is read when that is already known); memory stays bounded by both counts times 8 MiB.
+body is read when that is already known), so the memory of bodies stays bounded by these counts.
 
 Modules: settings.py (Settings: the limits; ServeSettings: everything a process runs with),
 warmup.py (the warmup requests and batches), admission.py (Job, Executor: the executor thread,

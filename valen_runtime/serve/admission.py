@@ -30,11 +30,12 @@ class Job:
     batch: int = 0  # how many requests ran together with this one, itself included
     abandoned_at: float | None = None  # set by `abandon`: its client has been answered without it
 
-    def abandon(self) -> None:
+    def abandon(self) -> bool:
         """Nobody waits for this job any more: if it has not started it never will, and once every job
-        of its batch is abandoned the engine stops at its next layer (cancel.py)."""
+        of its batch is abandoned the engine stops at its next layer (cancel.py). True when the
+        executor had already taken it (the future's own state, set before `started_at` is)."""
         self.abandoned_at = time.perf_counter()
-        self.future.cancel()
+        return not self.future.cancel()
 
 
 

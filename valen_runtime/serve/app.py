@@ -38,7 +38,7 @@ class WorkerApp:
         self.settings = settings
         self.capacity = settings.queue_size + 1
         self.admitted = 0  # requests with their body read, parsing, waiting or running (event loop only)
-        self.body_reads = _BodyReads(settings.max_body_reads, settings.max_body_reads_per_client)
+        self.body_reads = _BodyReads(settings.max_body_reads, settings.max_body_reads_per_client, settings.max_large_body_reads)
         self.draining = draining
         self._parse_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="valen-parse")
 
@@ -87,10 +87,10 @@ class WorkerApp:
         if self.draining():
             raise _Answer(503, "shutting down")
         self._check_capacity()  # full already: answered without reading the body
-        refusal = self.body_reads.refusal(client)
+        refusal = self.body_reads.refusal(client, length)
         if refusal is not None:
             raise _Answer(503, refusal)
-        with self.body_reads.slot(client):  # a slow or idle body holds this slot only, not capacity
+        with self.body_reads.slot(client, length):  # a slow or idle body holds this slot only, not capacity
             body = await read_body(receive, length, self.settings.read_timeout)
         self._check_capacity()
         self.admitted += 1
@@ -114,8 +114,7 @@ class WorkerApp:
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(job.future), timeout=max(remaining, 0.0))
         except asyncio.TimeoutError:
-            job.abandon()
-            if job.started_at is not None:  # the executor is still busy with it until its next layer
+            if job.abandon():  # the executor is still busy with it until its next layer
                 record["executor"] = "still busy with it: the work stops at its next layer once no request of its batch is waited for"
             raise _Answer(503, f"not answered within {self.settings.request_timeout:g} s (--request-timeout); the worker is overloaded") from None
         except RequestError as exc:

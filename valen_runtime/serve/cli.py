@@ -91,29 +91,36 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-@contextlib.contextmanager
-def _stop_on_signal_before_ready():
-    """SIGTERM / SIGINT / SIGHUP while starting (imports, loading, warmup): stop at once, exit 0 (nothing is in flight)."""
+class _StopSignals:
+    """SIGTERM / SIGINT / SIGHUP over the worker's whole life, one handler, so that no moment between
+    loading and serving leaves a signal its default action (which kills without a `stopped` line):
+    while starting (imports, loading, warmup) stop at once with exit 0, nothing being in flight; once
+    the server exists, ask it to drain, as its own handler does while it runs."""
 
-    def stop(signum, frame):
+    def __init__(self):
+        self.server = None
+
+    def install(self) -> None:
+        for sig in _stop_signals():
+            signal.signal(sig, self)
+
+    def __call__(self, signum, frame):
+        if self.server is not None:
+            self.server.handle_exit(signum, frame)  # sets should_exit: a server not yet running starts and drains
+            return
         log.info({"event": "stopped", "reason": f"signal {signum} before ready"})
         sys.stderr.flush()
         # At once: the executor thread may be inside torch, which interpreter shutdown must not race.
         os._exit(0)
 
-    previous = {sig: signal.signal(sig, stop) for sig in _stop_signals()}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 def settings_from_command_line(export_dir, host, port, device, dtype, mode, kernels, graphs, compile_, temperature, calibration,
                                queue_size, max_batch, batch_wait_ms, request_timeout, read_timeout, max_body_reads,
-                               max_body_reads_per_client, threads, warmup) -> ServeSettings:
+                               max_body_reads_per_client, max_large_body_reads, threads, warmup) -> ServeSettings:
     """Every option checked (ValueError / ValenError: one line) and resolved, before the port is bound."""
     limits = Settings(queue_size=queue_size, request_timeout=request_timeout, read_timeout=read_timeout, max_batch=max_batch,
-                      batch_wait=batch_wait_ms / 1e3, max_body_reads=max_body_reads, max_body_reads_per_client=max_body_reads_per_client)
+                      batch_wait=batch_wait_ms / 1e3, max_body_reads=max_body_reads, max_body_reads_per_client=max_body_reads_per_client,
+                      max_large_body_reads=max_large_body_reads)
     options = resolve(device, dtype, mode, kernels, graphs, compile_, temperature, calibration)
     full = warmup == "full" or (warmup == "auto" and options.device.startswith("cuda"))
     return ServeSettings(export_dir=export_dir, host=host, port=port, options=options, threads=threads,
@@ -153,6 +160,7 @@ def _start(settings: ServeSettings) -> tuple[Executor, socket.socket]:
 @click.option("--read-timeout", default=Settings.read_timeout, show_default=True, type=float, help="Seconds for a request's headers, and for its body; past it 408.")
 @click.option("--max-body-reads", default=Settings.max_body_reads, show_default=True, type=int, help="Requests that may be sending their bodies at once; one more is answered 503 (an idle body never takes --queue-size capacity).")
 @click.option("--max-body-reads-per-client", default=Settings.max_body_reads_per_client, show_default=True, type=int, help="The same, from one client address.")
+@click.option("--max-large-body-reads", default=Settings.max_large_body_reads, show_default=True, type=int, help="The same, for bodies over 8 MiB (only a video request may be larger, up to 24 MiB).")
 @threads_option()
 @click.option("--warmup", type=click.Choice(["auto", "basic", "full"]), default="auto", show_default=True, help="basic: one text and one image request; full: every shape family the CUDA fast path compiles (auto: full on CUDA).")
 def main(**command_line) -> None:
@@ -164,10 +172,11 @@ def main(**command_line) -> None:
       curl -s localhost:8000/health
     """
     _configure_logging()
+    stop_signals = _StopSignals()
+    stop_signals.install()
     try:
-        with _stop_on_signal_before_ready():
-            settings = settings_from_command_line(**command_line)
-            executor, sock = _start(settings)
+        settings = settings_from_command_line(**command_line)
+        executor, sock = _start(settings)
     except (ValenError, ValueError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -183,6 +192,7 @@ def main(**command_line) -> None:
         h11_max_incomplete_event_size=64 * 1024,  # request line + headers
     )
     server = _server_class()(config)
+    stop_signals.server = server  # from here a stop signal drains (before the ready line is written)
     sock.listen(128)
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
@@ -190,7 +200,7 @@ def main(**command_line) -> None:
               "device_name": torch.cuda.get_device_name(dev) if dev.startswith("cuda") else (platform.processor() or platform.machine()),
               "dtype": settings.options.dtype, "torch_threads": torch.get_num_threads(), **executor.engine_info, **{k: round(v, 3) for k, v in executor.timings.items()},
               "queue_size": limits.queue_size, "max_body_reads": limits.max_body_reads,
-              "max_body_reads_per_client": limits.max_body_reads_per_client, "batch_wait_ms": limits.batch_wait * 1e3, "request_timeout_s": limits.request_timeout, "read_timeout_s": limits.read_timeout,
+              "max_body_reads_per_client": limits.max_body_reads_per_client, "max_large_body_reads": limits.max_large_body_reads, "batch_wait_ms": limits.batch_wait * 1e3, "request_timeout_s": limits.request_timeout, "read_timeout_s": limits.read_timeout,
               "options": settings.options.describe(),
               "versions": {"python": platform.python_version(), "torch": torch.__version__, "uvicorn": uvicorn.__version__}})
     server.run(sockets=[sock])

@@ -18,7 +18,7 @@ import logging
 import re
 from typing import Callable
 
-from ..wire import MAX_VIDEO_BODY, encode_response
+from ..wire import MAX_BODY, MAX_VIDEO_BODY, encode_response
 
 log = logging.getLogger("valen_serve")
 
@@ -66,26 +66,34 @@ def check_body_headers(headers) -> int:
 
 
 class _BodyReads:
-    """Slots for requests whose bodies are being read, in total and per client address (event loop only)."""
+    """Slots for requests whose bodies are being read, in total, per client address, and for bodies
+    declaring more than MAX_BODY (video requests, up to MAX_VIDEO_BODY each), so that the memory
+    bodies being read can take stays near total x 8 MiB + large x 24 MiB (event loop only)."""
 
-    def __init__(self, total: int, per_client: int):
-        self.total, self.per_client = total, per_client
+    def __init__(self, total: int, per_client: int, large: int):
+        self.total, self.per_client, self.large = total, per_client, large
         self.by_client: dict[str, int] = {}
+        self.large_reads = 0
 
-    def refusal(self, client: str) -> str | None:
-        """Why a body from `client` cannot be read now, or None when it can."""
+    def refusal(self, client: str, length: int) -> str | None:
+        """Why a body of `length` bytes from `client` cannot be read now, or None when it can."""
         if sum(self.by_client.values()) >= self.total:
             return f"too many request bodies being read: {self.total} (--max-body-reads)"
         if self.by_client.get(client, 0) >= self.per_client:
             return f"too many request bodies being read from {client}: {self.per_client} (--max-body-reads-per-client)"
+        if length > MAX_BODY and self.large_reads >= self.large:
+            return f"too many bodies over {MAX_BODY} bytes being read: {self.large} (--max-large-body-reads)"
         return None
 
     @contextlib.contextmanager
-    def slot(self, client: str):
+    def slot(self, client: str, length: int):
+        large = length > MAX_BODY
         self.by_client[client] = self.by_client.get(client, 0) + 1
+        self.large_reads += large
         try:
             yield
         finally:
+            self.large_reads -= large
             self.by_client[client] -= 1
             if not self.by_client[client]:
                 del self.by_client[client]

@@ -18,9 +18,11 @@ class Settings:
     batch_wait: float = 0.0  # seconds an idle executor waits for more requests to join a batch
     max_body_reads: int = 128  # requests sending their bodies at once, from all clients
     max_body_reads_per_client: int = 64  # ... from one client address
+    max_large_body_reads: int = 4  # ... of them declaring more than MAX_BODY (only a video request may be that large)
 
     def __post_init__(self):
-        for name, least in (("queue_size", 0), ("max_batch", 1), ("max_body_reads", 1), ("max_body_reads_per_client", 1)):
+        for name, least in (("queue_size", 0), ("max_batch", 1), ("max_body_reads", 1), ("max_body_reads_per_client", 1),
+                            ("max_large_body_reads", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {least}, got {value!r}")
