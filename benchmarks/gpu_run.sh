@@ -19,6 +19,9 @@
 #   "variants": benchmarks/kernel_variants.py, candidate LoRA-A and conv formulations (VARIANTS_ARGS).
 #   "serve" (not in the default STEPS; run it alone: STEPS=serve): benchmarks/serve_load.py, valen-serve under
 #   load on the 2b separate export (SERVE_ARGS adds options, e.g. --leak-requests 2000).
+#   "video" (not in the default STEPS; run it alone: STEPS=video): benchmarks/video_latency.py on the 2b preset,
+#   H.264 clips against the reference in the same run, and load_video's peak memory at the limits
+#   (VIDEO_ARGS adds options, e.g. --skip-reference or --only v3s).
 set -uo pipefail
 FINAL=${OUT:-/tmp/valen-gpu-out}
 OUT=/tmp/valen-gpu-results  # many small files; packed into one archive at the end ($OUT takes 8 files)
@@ -29,6 +32,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fla .whl/fla_core-*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pyspng-*.whl \
   || echo "gpu_run: no pyspng wheel in .whl/ (make gpu-wheels): PNGs decode with Pillow"
+# PyAV (FFmpeg inside the wheel; a runtime dependency, the video decoder), which the machine lacks.
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/av-*.whl \
+  || { echo "gpu_run: no av wheel in .whl/: run make gpu-wheels again (video states need PyAV)"; exit 1; }
 # valen-serve's HTTP stack (the serve step and test_serve.py's gpu test) and pytest-xdist (the tests step)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/uvicorn-*.whl .whl/starlette-*.whl .whl/h11-*.whl .whl/anyio-*.whl \
   .whl/pytest_xdist-*.whl .whl/execnet-*.whl || exit 1
@@ -60,6 +66,14 @@ fi
 if [[ " $STEPS " == *" latency "* ]]; then
   timeout $(cap ${LATENCY_TIMEOUT:-330}) python3 benchmarks/latency.py --work "$WORK" --out "$OUT/latency.json" --iters 10 --warmup 3 --ref-iters 3 ${LATENCY_ARGS:-} > "$OUT/latency.log" 2>&1
   grep -E "median|ready|done|ERROR" "$OUT/latency.log" | tail -30
+fi
+
+if [[ " $STEPS " == *" video "* ]]; then  # builds fixture-2b and both exports when missing (as the latency step)
+  # Each request's host decode runs ~25 times (end to end, host steps, device split): 8 timed runs after 2 keep the
+  # step, fixture build included, near 6-7 minutes; it writes its JSON after every request.
+  timeout $(cap ${VIDEO_TIMEOUT:-560}) python3 benchmarks/video_latency.py --work "$WORK" --out "$OUT/video-latency.json" \
+    --iters 8 --warmup 2 --ref-iters 3 --host-iters 5 ${VIDEO_ARGS:-} > "$OUT/video-latency.log" 2>&1
+  echo "video: exit $?"; grep -E "^(v[0-9]|reference|decode peak|clips|engine|fixture|exports)|Error" "$OUT/video-latency.log" | tail -30
 fi
 
 if [[ " $STEPS " == *" parity "* ]]; then
@@ -145,6 +159,7 @@ fi
 ls -la "$OUT"
 tar -czf "$FINAL/gpu-results.tar.gz" -C "$OUT" .
 cp "$OUT/latency.json" "$FINAL/" 2>/dev/null || true
+cp "$OUT/video-latency.json" "$FINAL/" 2>/dev/null || true
 cp "$OUT/layer.json" "$FINAL/" 2>/dev/null || true
 cp "$OUT/variants.json" "$FINAL/" 2>/dev/null || true
 cp "$OUT/gate-summary.txt" "$FINAL/" 2>/dev/null || true

@@ -381,17 +381,29 @@ gpu = pytest.mark.gpu
 
 
 @gpu
-def test_cuda_paths_agree_with_per_branch(tiny_export, short_request, long_image_request):
+@pytest.mark.parametrize("states", ["text and image", "video"])
+def test_cuda_paths_agree_with_per_branch(tiny_export, short_request, long_image_request, states, request):
     """On CUDA: per-branch (the reference modules) vs shared-prefix on the reference modules / the
-    fast path / the fast path replayed from CUDA graphs, fp32 and bf16."""
-    for dtype, atol in (("fp32", 1e-3), ("bf16", 0.15)):
+    fast path / the fast path replayed from CUDA graphs, fp32 and bf16. A video state (frame
+    pairs on the tower, a shared prefix) runs the CUDA default only (bf16, fast, compiled,
+    graphs; the batch layout, fp32's on CUDA, meets it in fast/test_model.py): the other paths
+    meet nothing a video changes that the image does not, and the gpu-marked tests share one
+    call's minutes."""
+    tolerances = (("fp32", 1e-3), ("bf16", 0.15))
+    if states == "video":
+        pytest.importorskip("av")
+        wires, configs, tolerances = (request.getfixturevalue("long_video_request"),), (("fast", True),), tolerances[1:]
+    else:
+        wires, configs = (short_request, long_image_request), (("torch", False), ("fast", False), ("fast", True))
+    for dtype, atol in tolerances:
         per_branch = Engine.load(tiny_export["separate"], EngineOptions(device="cuda", dtype=dtype, mode="per-branch"))
-        bases = [per_branch.run(r) for r in (short_request, long_image_request)]
-        for kernels, graphs in (("torch", False), ("fast", False), ("fast", True)):
+        bases = [per_branch.run(r) for r in wires]
+        for kernels, graphs in configs:
             eng = Engine.load(tiny_export["separate"], EngineOptions(device="cuda", dtype=dtype, mode="shared-prefix", kernels=kernels, graphs=graphs))
-            for request, base in zip((short_request, long_image_request), bases):
+            assert eng.options.compile == (kernels == "fast")
+            for wire, base in zip(wires, bases):
                 for _ in range(3):  # graphs: run directly, capture, replay
-                    res = eng.run(request)
+                    res = eng.run(wire)
                 # fp32: FLA/SDPA/fused layers reorder sums (TF32 off); bf16: per-branch vs
                 # shared-prefix chunking and the fast layers' rounding
                 assert max_diff(base.logits, res.logits) <= atol, (dtype, kernels, graphs, base.logits, res.logits)
@@ -406,20 +418,35 @@ def test_compiled_one_pass_is_as_accurate_as_per_branch_cuda(tiny_export, long_i
 
 
 @gpu
-def test_graph_replay_is_bitwise_equal_to_direct_execution(tiny_export, short_request, long_image_request):
+def test_graph_replay_is_bitwise_equal_to_direct_execution(tiny_export, short_request, long_image_request, request):
+    """Requests' forwards and their vision towers, an image's and a video's (t > 1 frame pairs:
+    a grid key of its own), captured and replayed compute the direct run's bits."""
+    from valen_runtime.vision import grid_list
+
+    pytest.importorskip("av", reason="PyAV decodes the video request")
+    video_request = request.getfixturevalue("video_request")
     options = dict(device="cuda", dtype="bf16", mode="shared-prefix", kernels="fast")
     direct = Engine.load(tiny_export["separate"], EngineOptions(**options, graphs=False))
     graphed = Engine.load(tiny_export["separate"], EngineOptions(**options, graphs=True))
-    for request in (short_request, long_image_request):
-        want = direct.run(request).logits
+    requests = (short_request, long_image_request, video_request)
+    for wire in requests:
+        want = direct.run(wire).logits
         for _ in range(3):
-            got = graphed.run(request).logits
+            got = graphed.run(wire).logits
             for a, b in zip(want, got):
                 assert torch.equal(a, b)
+    compiled = [graphed.compiler.compile(r) for r in requests]
+    video_grid = grid_list(compiled[2].state.video_grid_thw)
+    assert video_grid[0][0] > 1  # several frame pairs in one tower call
+    # the three forwards (distinct plan keys unless two share a shape bucket) and the two towers
+    towers = {("vision", tuple(grid_list(compiled[1].state.image_grid_thw))), ("vision", tuple(video_grid))}
+    keys = {graphed.plan(c).key for c in compiled} | towers
+    assert set(graphed.graphs.graphs) == keys
+    video_inputs = compiled[2].state.vision_inputs
+    assert torch.equal(graphed.vision_features(video_inputs), direct.vision_features(video_inputs))  # a replay of its graph
     captured = len(graphed.graphs)
-    assert captured == 3  # the short request's forward, the vision tower, the long request's forward
-    graphed.run(short_request)
-    graphed.run(long_image_request)
+    for wire in requests:
+        graphed.run(wire)
     assert len(graphed.graphs) == captured  # the same shapes replay, nothing new is captured
 
 
