@@ -32,21 +32,26 @@ def frames_array(count: int, height: int, width: int, seed: int = 0, noise: int 
 
 
 def encode_clip(container: str, codec: str, rate: int | Fraction, count: int, width: int, height: int,
-                seed: int = 0, noise: int = 64, **options: str) -> bytes:
+                seed: int = 0, noise: int = 64, first_pts: int = 0, **options: str) -> bytes:
     """An encoded clip of `count` frames_array frames at `rate` fps. container: a PyAV muxer
     ("mp4", "webm"); codec: a PyAV encoder ("libx264", "libvpx-vp9", ...); yuv420p, so even sides.
-    The same arguments give the same bytes (on one PyAV build)."""
+    first_pts < 0 (in frames; WebM) writes the first frames before time 0 unshifted, as some
+    recorders do. The same arguments give the same bytes (on one PyAV build)."""
     import av
 
     options = {**ENCODER_OPTIONS.get(codec, {}), **options}
     buffer = io.BytesIO()
     # bitexact: no random Matroska SegmentUID and no muxer version tag, so equal arguments give equal bytes.
-    with av.open(buffer, mode="w", format=container, options={"fflags": "+bitexact"}) as out:
+    muxer_options = {"fflags": "+bitexact"} | ({"avoid_negative_ts": "disabled"} if first_pts < 0 else {})
+    with av.open(buffer, mode="w", format=container, options=muxer_options) as out:
         stream = out.add_stream(codec, rate=rate)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.options = options
-        for frame in frames_array(count, height, width, seed=seed, noise=noise):
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+        for index, rgb in enumerate(frames_array(count, height, width, seed=seed, noise=noise)):
+            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+            if first_pts:
+                frame.pts, frame.time_base = first_pts + index, Fraction(1) / Fraction(rate)
+            for packet in stream.encode(frame):
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)

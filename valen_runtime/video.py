@@ -384,6 +384,14 @@ def _open(data: bytes, mime_format: str, field_name: str, limits: VideoLimits):
         # A fixed thread count: AUTO alone starts one decoder thread per core for every request.
         stream.thread_type = "AUTO"
         stream.codec_context.thread_count = DECODE_THREADS
+        # As the pinned decoder (torchvision 0.21's read_video) did: seek to 0, back to a key frame,
+        # and decode from there. A no-op for a stream that starts at pts >= 0; for a WebM whose first
+        # key frame lies before 0 it decides which frames exist, and where FFmpeg refuses it the
+        # reference got no frames at all.
+        try:
+            container.seek(0, any_frame=False, backward=True, stream=stream)
+        except av.FFmpegError as exc:
+            raise RequestError(field_name, f"video cannot be read from its start (the seek to 0 failed: {type(exc).__name__})") from exc
         return container, stream, codec
     except BaseException:
         container.close()

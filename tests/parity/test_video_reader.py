@@ -52,19 +52,7 @@ def test_tchw_is_thwc_with_channels_first(tmp_path):
 
 def _negative_pts_webm(first_pts: int, key_interval: int, count: int = 8) -> bytes:
     """A VP9 WebM whose first frames carry negative pts (the muxer told not to shift them)."""
-    buffer = io.BytesIO()
-    with av.open(buffer, "w", format="webm", options={"avoid_negative_ts": "disabled", "fflags": "+bitexact"}) as out:
-        stream = out.add_stream("libvpx-vp9", rate=10)
-        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
-        stream.options = {"deadline": "realtime", "cpu-used": "8", "g": str(key_interval)}
-        for i, rgb in enumerate(frames_array(count, 48, 64)):
-            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
-            frame.pts, frame.time_base = first_pts + i, Fraction(1, 10)
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buffer.getvalue()
+    return encode_clip("webm", "libvpx-vp9", 10, count, 64, 48, first_pts=first_pts, g=str(key_interval))
 
 
 @pytest.mark.parametrize("first_pts, key_interval, first_kept_ms", [

@@ -437,3 +437,27 @@ def test_media_kwargs_refusals(kwargs, message, config):
 def test_size_media_kwarg_and_image_only_keys(config):
     cfg = config.with_media_kwargs({"size": {"shortest_edge": 1, "longest_edge": 2048}, "min_pixels": 5, "max_pixels": 6})
     assert (cfg.min_pixels, cfg.max_pixels) == (1, 2048)
+
+
+@pytest.mark.parametrize("first_pts, key_interval", [(-2, 1), (-1, 2)], ids=["key frames only", "key frame every second"])
+def test_a_webm_starting_before_zero_keeps_the_frames_the_pinned_decoder_keeps(first_pts, key_interval, config, tmp_path):
+    """The pinned decoder seeks to 0 before decoding: frames before 0, and on a clip whose key
+    frames straddle 0 also those up to the next key frame, never exist for it; the runtime's
+    count and pixels follow it."""
+    from parity.video_reader import read_video
+
+    data = encode_clip("webm", "libvpx-vp9", 10, 8, 64, 48, first_pts=first_pts, g=str(key_interval))
+    (tmp_path / "clip.webm").write_bytes(data)
+    frames, _, info = read_video(str(tmp_path / "clip.webm"), pts_unit="sec", output_format="THWC")
+    probe = probe_video(data, "webm", FIELD)
+    assert (probe.frame_count, probe.fps) == (len(frames), info["video_fps"])
+    expected = preprocess_frames(frames, info["video_fps"], config)
+    got = load_video(data, "webm", FIELD, config)
+    assert got.plan == expected.plan and torch.equal(got.pixel_values, expected.pixel_values)
+
+
+def test_a_webm_whose_seek_to_zero_fails_is_refused():
+    """One key frame before 0: FFmpeg refuses the seek, and the pinned decoder returned no frames."""
+    data = encode_clip("webm", "libvpx-vp9", 10, 8, 64, 48, first_pts=-2, g="100")
+    with pytest.raises(RequestError, match=r"^state.video: video cannot be read from its start"):
+        probe_video(data, "webm", FIELD)
