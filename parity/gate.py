@@ -2,7 +2,8 @@
 
 1. Builds the synthetic fixture (`--preset tiny`, or `2b` for the Qwen3.5-2B shapes) and both
    exports under OUTDIR, or reuses them from `--work`.
-2. Takes the generated request set (`--set ci`: 40 questions, the CPU default; `gpu`: 210).
+2. Takes the generated request set (`--set ci`: 43 questions, the CPU default; `gpu`: 213; each
+   ends with the video group; `video`: the video group alone, 3 questions).
 3. Starts the reference processes once for the whole set (bf16, the fp32 truth, and fp64 on the
    CPU), in the background, while this process runs the runtime: each runtime configuration once,
    reused by every gate that needs it (a bf16 configuration's dual run is the fp32 run of the same

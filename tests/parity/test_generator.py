@@ -25,6 +25,12 @@ def _images(request) -> list[tuple[str, Image.Image]]:
     return out
 
 
+def test_the_video_set_is_the_video_group_that_ends_every_set():
+    videos = generator.SETS["video"]()
+    assert videos and {case for case, _, _ in videos} == {"video"}
+    assert generator.ci_set()[-len(videos):] == videos == generator.gpu_set()[-len(videos):]
+
+
 def test_same_seed_same_bytes_other_seed_other_requests():
     assert generator.gpu_set(0) == generator.gpu_set(0)
     assert generator.ci_set(0) == generator.ci_set(0)
