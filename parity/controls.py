@@ -167,8 +167,10 @@ class Control:
                 yield
 
 
-def _is_image(rid: str, req: dict) -> bool:
-    return "data:image/" in json.dumps(req["state"])
+def _is_visual(rid: str, req: dict) -> bool:
+    """An image or a video state: M-RoPE's height and width sections differ only there."""
+    state = json.dumps(req["state"])
+    return "data:image/" in state or "data:video/" in state
 
 
 def _fast(options: EngineOptions) -> bool:
@@ -183,7 +185,7 @@ CONTROLS = (
     Control("l2norm-dtype", "the fast path's GDN q/k L2 norm in bf16 whatever the model dtype", l2norm_in_bf16, False,
             lambda lora, options: _fast(options), lambda rid, req: True),
     Control("mrope-sections", "the height and width M-RoPE sections swapped in the runtime's rotary embedding", mrope_sections_swapped, False,
-            lambda lora, options: True, _is_image),
+            lambda lora, options: True, _is_visual),
     Control("probabilities-swap", "two probabilities swapped in Engine.run", probabilities_swapped, False,
             lambda lora, options: True, lambda rid, req: any(len(q.get("criteria") or [0, 0]) >= 2 for q in req["questions"].values())),
     Control("resize-half-up", "smart_resize rounding side / factor half up", resize_rounding_half_up, False,

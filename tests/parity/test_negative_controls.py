@@ -108,6 +108,17 @@ def test_every_control_has_a_configuration_and_requests(control_requests):
     assert {g.name for c, g in CASES if c.name == "l2norm-dtype"} == {g.name for g in CONFIGS if g.options.kernels == "fast"}
 
 
+def test_the_video_set_exercises_the_mrope_control_and_says_which_controls_it_cannot():
+    """Video positions use M-RoPE's height and width sections too; smart_resize's half-to-even edge
+    needs images of particular sizes, which the video group has not."""
+    from parity import generator
+
+    videos = generator.SETS["video"]()
+    assert controls.subset(controls.BY_NAME["mrope-sections"], videos, 4)
+    with pytest.raises(ValueError, match="control resize-half-up: no request in the set exercises it"):
+        controls.subset(controls.BY_NAME["resize-half-up"], videos, 4)
+
+
 def test_perturbed_export_leaves_the_original_untouched(tiny_export, tmp_path):
     original = tiny_export["separate"] / "adapter_model.safetensors"
     before = original.read_bytes()

@@ -697,7 +697,7 @@ def reference_fp32(tiny_fixture):
 
 
 @pytest.mark.parametrize("state", ["long_image_request", "long_video_request"])
-def test_per_branch_hidden_states_equal_transformers_own_model_fp32(reference_fp32, tiny_export, state, request):
+def test_per_branch_hidden_states_equal_transformers_own_model_fp32(reference_fp32, tiny_export, state, request, tmp_path):
     """The whole per-branch path of an image or a video state (ids, pixels, vision tower, the
     features scattered into the pad tokens, M-RoPE, the text stack with its LoRA) against the
     reference's own model (transformers 5.4.0 + PEFT, parity/reference.py) in fp32, fed by the
@@ -707,7 +707,7 @@ def test_per_branch_hidden_states_equal_transformers_own_model_fp32(reference_fp
 
     from PIL import Image
 
-    from .test_video import read_video_tv021
+    from .test_video import read_video_pinned
 
     payload = request.getfixturevalue(state)
     model, processor = reference_fp32
@@ -721,7 +721,7 @@ def test_per_branch_hidden_states_equal_transformers_own_model_fp32(reference_fp
     if kind == "image":
         inputs = processor(text=[prompt], images=[Image.open(io.BytesIO(data))], return_tensors="pt")
     else:
-        frames, fps = read_video_tv021(data, "mp4")
+        frames, fps = read_video_pinned(data, "mp4", tmp_path)
         inputs = processor(text=[prompt], videos=[frames], video_metadata=[{"total_num_frames": len(frames), "fps": fps}], return_tensors="pt")
     st = compiled.state
     assert st.input_ids == inputs["input_ids"][0].tolist() and st.mm_token_type_ids == inputs["mm_token_type_ids"][0].tolist()

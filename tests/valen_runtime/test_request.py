@@ -942,17 +942,17 @@ def video_url(data: bytes, mime="mp4") -> str:
     return f"data:video/{mime};base64," + base64.b64encode(data).decode("ascii")
 
 
-def test_video_state_matches_transformers(compiler, processor):
+def test_video_state_matches_transformers(compiler, processor, tmp_path):
     """The compiled state of a message-list video (ids, types, pixel_values_videos, grid) equals
     what the pinned processor gives for the same chat, with the frames and video_metadata that
-    torchvision 0.21's read_video produced (tests/valen_runtime/test_video.py)."""
-    from .test_video import read_video_tv021
+    torchvision 0.21's read_video produced (parity/video_reader.py)."""
+    from .test_video import read_video_pinned
 
     clip = mp4(seconds=3.2, width=96, height=64)
     content = [{"type": "text", "text": "What happens here?"}, {"type": "video_url", "video_url": {"url": video_url(clip)}}]
     timings = {}
     compiled = compiler.compile(request(state={"messages": [{"role": "user", "content": content}]}), timings=timings)
-    frames, fps = read_video_tv021(clip, "mp4")
+    frames, fps = read_video_pinned(clip, "mp4", tmp_path)
     messages = [{"role": "user", "content": [{"type": "text", "text": "What happens here?"}, {"type": "video"}]}]
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     expected = processor(text=[text], videos=[frames], video_metadata=[{"total_num_frames": len(frames), "fps": fps}], return_tensors="pt")

@@ -748,7 +748,7 @@ def test_internal_failure_is_500_and_a_late_answer_is_503_and_stops_computing(ti
         assert (status, answer) == (500, {"detail": "inference failed"})
         server.wait_for(lambda ln: ln.get("id") == headers["x-request-id"])
         (line,) = server.requests_logged(headers["x-request-id"])
-        assert line["status"] == 500 and line["error"].startswith("ConfigError: chat template emitted <|video_pad|>")
+        assert line["status"] == 500 and line["error"].startswith("ConfigError: chat template emitted 1 <|video_pad|> for 0 videos")
         # Eight branches of about 4,100 tokens each (1 s or more each on 2 cores) against a 3 s
         # timeout: answered 503 at the timeout, and the executor stops it at its next layer instead
         # of finishing it, so the next request starts at once (it used to wait, or time out too).
