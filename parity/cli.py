@@ -26,26 +26,28 @@ from .reference_run import start_reference
 from .runtime_adapter import EngineOptions
 
 
-# A --requests file holds at most this many bytes (eight requests at the 8 MiB body limit).
+# A --requests file holds at most this many bytes (eight requests at the 8 MiB body limit, or two
+# carrying videos at their 24 MiB limit).
 MAX_REQUESTS_FILE = 64 * 1024 * 1024
 
 
 def _read_requests(path: Path) -> list[tuple[str, str, dict]]:
     """One wire request per line, each read and checked as valen-serve reads a body (wire.py):
-    never more than 8 MiB + 2 bytes of a line are read, and the whole file is bounded too."""
+    never more than 24 MiB + 2 bytes of a line are read (a line over 8 MiB must carry a video, as
+    a body must), and the whole file is bounded too."""
     from valen_runtime.errors import RequestError
-    from valen_runtime.wire import MAX_BODY, BodyError, decode_request
+    from valen_runtime.wire import MAX_VIDEO_BODY, BodyError, decode_request
 
     out, total = [], 0
     try:
         with open(path, "rb") as handle:
-            for n, line in enumerate(iter(lambda: handle.readline(MAX_BODY + 2), b""), 1):
+            for n, line in enumerate(iter(lambda: handle.readline(MAX_VIDEO_BODY + 2), b""), 1):
                 total += len(line)
                 if total > MAX_REQUESTS_FILE:
                     raise UsageProblem(f"{path}: more than {MAX_REQUESTS_FILE} bytes; split the requests over several runs")
                 body = line.rstrip(b"\r\n")
-                if len(body) > MAX_BODY:
-                    raise UsageProblem(f"{path}:{n}: longer than the {MAX_BODY}-byte body limit")
+                if len(body) > MAX_VIDEO_BODY:
+                    raise UsageProblem(f"{path}:{n}: longer than the {MAX_VIDEO_BODY}-byte body limit of a request with a video")
                 if not body.strip():
                     continue
                 try:

@@ -31,6 +31,23 @@ def frames_array(count: int, height: int, width: int, seed: int = 0, noise: int 
     return ramp[None] + shift + pool[np.arange(count) % len(pool)]  # uint8 arithmetic wraps
 
 
+def yuv420p(rgb: np.ndarray) -> np.ndarray:
+    """uint8 [H, W, 3] RGB -> the planar yuv420p layout PyAV takes ([H * 3 / 2, W]: Y, then U, then
+    V at half size), BT.601 limited range in integer arithmetic. Done here rather than by FFmpeg's
+    swscale, whose SIMD paths can round differently with the input buffer's alignment: the same
+    arguments must give the same bytes in any process."""
+    r, g, b = (rgb[..., i].astype(np.int32) for i in range(3))
+    y = ((66 * r + 129 * g + 25 * b + 128) >> 8) + 16
+    u = ((-38 * r - 74 * g + 112 * b + 128) >> 8) + 128
+    v = ((112 * r - 94 * g - 18 * b + 128) >> 8) + 128
+    height, width = y.shape
+
+    def half(plane):  # 2 x 2 means, rounded half up
+        return (plane.reshape(height // 2, 2, width // 2, 2).sum(axis=(1, 3)) + 2) >> 2
+
+    return np.concatenate([y.ravel(), half(u).ravel(), half(v).ravel()]).astype(np.uint8).reshape(height * 3 // 2, width)
+
+
 def encode_clip(container: str, codec: str, rate: int | Fraction, count: int, width: int, height: int,
                 seed: int = 0, noise: int = 64, first_pts: int = 0, **options: str) -> bytes:
     """An encoded clip of `count` frames_array frames at `rate` fps. container: a PyAV muxer
@@ -47,8 +64,11 @@ def encode_clip(container: str, codec: str, rate: int | Fraction, count: int, wi
         stream = out.add_stream(codec, rate=rate)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.options = options
+        # One encoder thread: threaded x264 and libvpx may choose differently with the machine and
+        # its load, and the same arguments must give the same bytes everywhere.
+        stream.codec_context.thread_count = 1
         for index, rgb in enumerate(frames_array(count, height, width, seed=seed, noise=noise)):
-            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+            frame = av.VideoFrame.from_ndarray(yuv420p(rgb), format="yuv420p")
             if first_pts:
                 frame.pts, frame.time_base = first_pts + index, Fraction(1) / Fraction(rate)
             for packet in stream.encode(frame):

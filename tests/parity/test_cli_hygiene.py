@@ -67,9 +67,13 @@ def test_requests_file_goes_through_the_wire_contract(tiny_fixture, tiny_export,
     code, out = _invoke(_args(tiny_fixture, tiny_export["separate"], "--requests", str(requests)))
     assert code == 2 and f"{requests}:1: not a JSON request (body: duplicate key 'state')" in out
     with open(requests, "wb") as handle:
-        handle.truncate(9 * 1024 * 1024)  # one 9 MiB line of zeros: read no further than the body limit + 2
+        handle.truncate(25 * 1024 * 1024)  # one 25 MiB line of zeros: read no further than the video body limit + 2
     code, out = _invoke(_args(tiny_fixture, tiny_export["separate"], "--requests", str(requests)))
-    assert code == 2 and f"{requests}:1: longer than the 8388608-byte body limit" in out
+    assert code == 2 and f"{requests}:1: longer than the 25165824-byte body limit of a request with a video" in out
+    padded = json.dumps({**noul, "questions": {"n": {"type": "noul", "instructions": "?"}}})
+    requests.write_text(padded[:-1] + " " * (9 * 1024 * 1024) + "}\n")  # 9 MiB without a video
+    code, out = _invoke(_args(tiny_fixture, tiny_export["separate"], "--requests", str(requests)))
+    assert code == 2 and f"{requests}:1: refused by the wire contract (body: body is" in out and "the limit is 8388608 for a request without a video" in out
     assert _leftovers(temp_root) == []
 
 
