@@ -351,7 +351,6 @@ class Compiler:
 
     # ---------------------------------------------------------------- encoding
 
-
     def _encode_state(self, messages: list[dict], images: list[ImagePart],
                       on_images: Callable[[ImageInputs], None] | None = None,
                       phases: Phases | None = None) -> StateInputs:

@@ -602,22 +602,14 @@ def _valid_message_list(messages, reserved: tuple[str, ...]) -> tuple[Message, .
             if kind == "text":
                 _only_keys(item, ("type", "text"), item_field)
                 parts.append(TextPart(_prompt_text(item.get("text"), f"{item_field}.text", reserved)))
-            elif kind in ("image_url", "image"):
+            elif kind in ("image_url", "image", "video_url"):
                 _only_keys(item, ("type", kind), item_field)
                 url = item.get(kind)
                 url_field = f"{item_field}.{kind}"
                 if isinstance(url, dict):
                     _only_keys(url, ("url",), url_field)
                     url, url_field = url.get("url"), f"{url_field}.url"
-                parts.append(_image_part(url, url_field))
-            elif kind == "video_url":
-                _only_keys(item, ("type", kind), item_field)
-                url = item.get(kind)
-                url_field = f"{item_field}.{kind}"
-                if isinstance(url, dict):
-                    _only_keys(url, ("url",), url_field)
-                    url, url_field = url.get("url"), f"{url_field}.url"
-                parts.append(_video_part(url, url_field))
+                parts.append((_video_part if kind == "video_url" else _image_part)(url, url_field))
             else:
                 raise RequestError(f"{item_field}.type", "must be text, image_url, image or video_url")
         result.append(Message(role, tuple(parts)))
@@ -630,32 +622,27 @@ def _only_keys(item: dict, allowed: tuple[str, ...], field: str) -> None:
             raise RequestError(f"{field}.{key}", f"unknown field; allowed: {', '.join(allowed)}")
 
 
-def _image_part(url, field: str) -> ImagePart:
-    """A data URL -> its format and decoded bytes (its size was checked by `_check_image_url`)."""
-    prefix = next((p for p in DATA_URL_PREFIXES if url.startswith(p)), None) if isinstance(url, str) else None
+def _decoded_data_url(url, field: str, formats: dict[str, str], what: str) -> tuple[str, bytes]:
+    """A data URL with one of `formats`' prefixes -> (its format, its decoded bytes); its size was
+    checked from its length (`_check_payload_size`). what: "image" or "video", for the messages."""
+    prefix = next((p for p in formats if url.startswith(p)), None) if isinstance(url, str) else None
     if prefix is None:
-        raise RequestError(field, "must be a data:image/png;base64,… or data:image/jpeg;base64,… URL")
+        raise RequestError(field, f"must be a {' or '.join(p + '…' for p in formats)} URL")
     try:
         data = base64.b64decode(url[len(prefix):].encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError, ValueError) as exc:
         raise RequestError(field, "invalid base64 payload") from exc
     if not data:
-        raise RequestError(field, "empty image")
-    return ImagePart(DATA_URL_FORMATS[prefix], data, field)
+        raise RequestError(field, f"empty {what}")
+    return formats[prefix], data
+
+
+def _image_part(url, field: str) -> ImagePart:
+    return ImagePart(*_decoded_data_url(url, field, DATA_URL_FORMATS, "image"), field)
 
 
 def _video_part(url, field: str) -> VideoPart:
-    """A video data URL -> its container and decoded bytes (its size was checked by `_check_video_url`)."""
-    prefix = next((p for p in VIDEO_URL_PREFIXES if url.startswith(p)), None) if isinstance(url, str) else None
-    if prefix is None:
-        raise RequestError(field, "must be a data:video/mp4;base64,… or data:video/webm;base64,… URL")
-    try:
-        data = base64.b64decode(url[len(prefix):].encode("ascii"), validate=True)
-    except (binascii.Error, UnicodeEncodeError, ValueError) as exc:
-        raise RequestError(field, "invalid base64 payload") from exc
-    if not data:
-        raise RequestError(field, "empty video")
-    return VideoPart(VIDEO_URL_FORMATS[prefix], data, field)
+    return VideoPart(*_decoded_data_url(url, field, VIDEO_URL_FORMATS, "video"), field)
 
 
 # ---------------------------------------------------------------- the response
