@@ -66,6 +66,20 @@ class FakeGraph:
             dst.copy_(src)
 
 
+def record_captures(cache: GraphCache, monkeypatch) -> None:
+    """Make each capture of `cache` the one FakeGraph replays: its function on its static buffers."""
+    real_capture = cache._capture
+
+    def capture(key, fn, inputs):
+        entry = real_capture(key, fn, inputs)
+        graph, static_in, static_out, _ = entry
+        graph.outputs = static_out
+        FakeGraph.recording = {"fn": fn, "inputs": static_in}
+        return entry
+
+    monkeypatch.setattr(cache, "_capture", capture)
+
+
 class FakeCuda:
     """The pieces of torch.cuda GraphCache uses; `graph(g)` records the next call's function."""
 
@@ -121,16 +135,7 @@ def test_the_capture_policy_first_use_direct_second_captures_then_replays_cpu(mo
     assert torch.equal(out, first * 2) and calls == [first] and len(cache) == 0 and "k" in cache.seen
     # The second use: fn runs on static copies (warm-up, capture); the fake replay runs it once more.
     FakeGraph.recording = {}
-    real_capture = cache._capture
-
-    def capture(key, fn_, inputs):
-        entry = real_capture(key, fn_, inputs)
-        graph, static_in, static_out, _ = entry
-        graph.outputs = static_out
-        FakeGraph.recording = {"fn": fn_, "inputs": static_in}
-        return entry
-
-    monkeypatch.setattr(cache, "_capture", capture)
+    record_captures(cache, monkeypatch)
     (out,) = cache.run("k", fn, torch.full((3,), 5.0))
     assert torch.equal(out, torch.full((3,), 10.0)) and FakeGraph.captures == 1 and len(cache) == 1 and "k" not in cache.seen
     assert len(calls) == 1 + 2 + 1 and all(c is not first for c in calls[1:])  # warm-up, capture, replay: static inputs
@@ -168,16 +173,7 @@ def test_named_inputs_reach_fn_as_the_same_named_tuple_cpu(monkeypatch):
         return (inputs.x * 100 + inputs.inner.a * 10 + inputs.inner.b,)
 
     cache = GraphCache(max_graphs=2)
-    real_capture = cache._capture
-
-    def capture(key, fn_, flat):
-        entry = real_capture(key, fn_, flat)
-        graph, static_in, static_out, _ = entry
-        graph.outputs = static_out
-        FakeGraph.recording = {"fn": fn_, "inputs": static_in}
-        return entry
-
-    monkeypatch.setattr(cache, "_capture", capture)
+    record_captures(cache, monkeypatch)
     for use in range(4):  # direct, capture (+ its replay), replays
         inputs = Inputs(torch.full((2,), float(use)), Inner(torch.full((2,), 1.0 + use), torch.full((2,), 2.0 + use)))
         (out,) = cache.run("k", fn, inputs)
