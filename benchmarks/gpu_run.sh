@@ -15,6 +15,7 @@
 #      Work not started within BUDGET (default 560 s) is skipped and reported; the whole gate, both
 #      exports with their controls, fits one call on one H200: GATE_LORA="separate merged"
 #      GATE_SHARDS=4 GATE_TESTS=0 BUDGET=575 took 8.5 minutes (the reference processes are most of it).
+#      GATE_ARGS adds gate options (e.g. "--set video"); GATE_CONTROLS=0 leaves the controls out.
 #   "layers": benchmarks/layer_bench.py (LAYERS_ARGS adds options, e.g. --layer gdn --case c).
 #   "variants": benchmarks/kernel_variants.py, candidate LoRA-A and conv formulations (VARIANTS_ARGS).
 #   "serve" (not in the default STEPS; run it alone: STEPS=serve): benchmarks/serve_load.py, valen-serve under
@@ -112,7 +113,9 @@ if [[ " $STEPS " == *" gate "* ]]; then
   python3 -c "import sys; from pathlib import Path; from parity.gate import build_inputs; w = Path(sys.argv[1]); build_inputs(w, w, '2b')" "$WORK" \
     > "$OUT/gate-build.log" 2>&1 || { echo "gate: fixture build failed"; tail -5 "$OUT/gate-build.log"; }
   GATE_BUDGET=$(( $(left) - 30 ))
-  CONTROLS_ARG=--controls; [[ " ${GATE_LORA:-} " == *" controls "* ]] && CONTROLS_ARG=""  # a controls process runs them instead
+  # A controls process runs them instead; GATE_CONTROLS=0 skips them (a set such as --set video
+  # does not exercise every control, and the gate reports an unexercised control as a failure).
+  CONTROLS_ARG=--controls; [[ " ${GATE_LORA:-} " == *" controls "* || "${GATE_CONTROLS:-1}" = 0 ]] && CONTROLS_ARG=""
   GATE_ARGS="--device cuda --preset 2b --work $WORK --threads 4 --reference-cache $WORK/reference-cache --reference-shards ${GATE_SHARDS:-2} --budget $GATE_BUDGET ${GATE_ARGS:-}"
   TESTS_PID=""
   if [ "${GATE_TESTS:-1}" = 1 ]; then
