@@ -19,6 +19,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ from .image import (
 from .decode_pool import shared_decode_pool
 from .phases import PHASES, Phases  # noqa: F401  (PHASES: re-exported for callers)
 from .tokenizer import Tokenizer
-from .video import VideoConfig, VideoLimits, decode_frames, encode_prompt, patchify_video, plan_video, probe_video
+from .video import VideoConfig, VideoLimits, VideoPlan, decode_frames, encode_prompt, patchify_video, plan_video, probe_video
 
 # The wire contract (limits, strict JSON, every check of a request) lives in wire.py: the compiler
 # compiles what `validate_request` returns. Re-exported for callers.
@@ -239,15 +240,7 @@ class Compiler:
         self.video_limits = video_limits
         self.decode_in_thread = decode_in_thread
         self.image_token = tokenizer.special_tokens_map.get("image_token", "<|image_pad|>")
-        self.image_token_id = tokenizer.token_id(self.image_token)
         self.video_token = tokenizer.special_tokens_map.get("video_token", "<|video_pad|>")
-        self.video_token_id = tokenizer.token_id(self.video_token)
-        added = {token.content: token for token in tokenizer.backend.get_added_tokens_decoder().values()}
-        image_added = added.get(self.image_token)
-        # Whether the state can be tokenized with one image token per image (_expanded_after_tokenizing).
-        self._image_token_stands_alone = image_added is not None and image_added.special and not (
-            image_added.lstrip or image_added.rstrip or image_added.single_word or image_added.normalized
-        )
         # Question pieces recur from request to request (an agent asks the same questions of
         # every new state): their token ids are cached, the state is always tokenized afresh.
         self._piece_ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
@@ -332,10 +325,7 @@ class Compiler:
         phases.lap("video_probe")
         text = self._render_state(messages, 0, video_count=1)
         phases.lap("template")
-        try:
-            input_ids, mm_token_type_ids = encode_prompt(self.tokenizer, text, videos=[plan])
-        except ValueError as exc:  # user text holding the processor's <|placeholder|> marker
-            raise RequestError("state", str(exc)) from exc
+        input_ids, mm_token_type_ids = self._tokenize_state(text, [], videos=[plan])
         phases.lap("tokenize")
         compiled = [self._compile_question(q, len(input_ids)) for q in questions]
         phases.lap("questions")
@@ -480,49 +470,15 @@ class Compiler:
             raise ConfigError(f"chat template emitted {text.count(self.video_token)} {self.video_token} for {video_count} videos")
         return text
 
-    def _tokenize_state(self, text: str, grids: list[list[int]]) -> tuple[list[int], list[int]]:
-        """(input_ids, mm_token_type_ids) of the rendered state with each image's placeholder expanded."""
+    def _tokenize_state(self, text: str, grids: list[list[int]], videos: Sequence[VideoPlan] = ()) -> tuple[list[int], list[int]]:
+        """(input_ids, mm_token_type_ids) of the rendered state with each image's token expanded to
+        t * h * w / merge^2 image tokens and each video to its stamped frame pairs (encode_prompt)."""
         merge_length = self.image_config.merge_size**2
-        # The ids of Qwen3VLProcessor.__call__: each placeholder, in order, becomes t * h * w /
-        # merge^2 copies, then the whole text is tokenized once (here: the same ids from the
-        # unexpanded text where that is exact). The processor's temporary marker would turn user
-        # text "<|placeholder|>" into image tokens there, so such a state is refused rather than
-        # compiled differently.
-        placeholder = "<|placeholder|>"
-        if grids and placeholder in text:
-            raise RequestError("state", f"text must not contain {placeholder} together with images")
         counts = [grid_t * grid_h * grid_w // merge_length for grid_t, grid_h, grid_w in grids]
-        input_ids = self._expanded_after_tokenizing(text, counts) if self._image_token_stands_alone else None
-        if input_ids is None:
-            for count in counts:
-                text = text.replace(self.image_token, placeholder * count, 1)
-            text = text.replace(placeholder, self.image_token)
-            input_ids = self.tokenizer.encode_prompt(text)
-        mm_token_type_ids = [
-            1 if token == self.image_token_id else 2 if token == self.video_token_id else 0 for token in input_ids
-        ]
-        return input_ids, mm_token_type_ids
-
-    def _expanded_after_tokenizing(self, text: str, counts: list[int]) -> list[int] | None:
-        """The ids of the expanded text, from tokenizing the text with one image token per image
-        and repeating each image token's id (a 1024-token image costs one token, not 1024).
-
-        Exact when the image token is a special added token matched on its own (no lstrip,
-        rstrip, single_word or normalisation; checked at load): the tokenizer splits such tokens
-        out before anything else, so N copies in the text are N ids and the text between is
-        tokenized alone either way. None (expand the text instead) if the ids hold another count.
-        """
-        ids = self.tokenizer.encode_prompt(text)
-        positions = [index for index, token in enumerate(ids) if token == self.image_token_id]
-        if len(positions) != len(counts):
-            return None
-        expanded, start = [], 0
-        for position, count in zip(positions, counts):
-            expanded += ids[start:position]
-            expanded += [self.image_token_id] * count
-            start = position + 1
-        expanded += ids[start:]
-        return expanded
+        try:
+            return encode_prompt(self.tokenizer, text, videos=videos, image_token_counts=counts)
+        except ValueError as exc:  # user text holding the processor's <|placeholder|> marker
+            raise RequestError("state", str(exc)) from exc
 
     def _compile_question(self, question: ValidQuestion, base_length: int) -> Question:
         encode = self._encode_piece

@@ -130,7 +130,14 @@ class Tokenizer:
             seen.setdefault(token, None)
         # What transformers' `tokenizer.all_special_tokens` holds for this folder (Valen's reject list).
         self.all_special_tokens: tuple[str, ...] = tuple(seen)
-        backend_specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
+        added_tokens = backend.get_added_tokens_decoder().values()
+        backend_specials = [t.content for t in added_tokens if t.special]
+        # Special added tokens matched exactly as written (no lstrip, rstrip, single_word or
+        # normalisation): split out before anything else, so N copies in a text are N ids and the
+        # text between them tokenizes alone (video.encode_prompt repeats such pad ids).
+        self.standalone_specials: frozenset[str] = frozenset(
+            t.content for t in added_tokens if t.special and not (t.lstrip or t.rstrip or t.single_word or t.normalized)
+        )
         reserved: dict[str, None] = dict.fromkeys(self.all_special_tokens)
         reserved.update(dict.fromkeys(CONTROL_TOKENS))
         reserved.update(dict.fromkeys(backend_specials))

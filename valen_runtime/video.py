@@ -562,7 +562,7 @@ def expand_videos(text: str, videos: Sequence[VideoPlan], video_token: str = "<|
         # Pads are written as the marker first, so that no expanded pad is matched again.
         placeholder = video_placeholder(plan, PLACEHOLDER, vision_start, vision_end, pads_per_pair)
         text = text.replace(triple if triple in text else video_token, placeholder, 1)
-    return text.replace(PLACEHOLDER, video_token)
+    return text.replace(PLACEHOLDER, video_token) if videos else text  # the processor leaves a prompt without videos as it is
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str, videos: Sequence[VideoPlan] = (),
@@ -571,12 +571,13 @@ def encode_prompt(tokenizer: Tokenizer, text: str, videos: Sequence[VideoPlan] =
     `vision_start video_pad vision_end` per video, as Qwen3VLProcessor.__call__ gives them: each
     image token becomes its count of image tokens, each video its stamped frame pairs, and the
     whole text is tokenized once (so the first stamp is tokenized in context with the text before
-    it). Types: 1 on image tokens, 2 on video tokens, 0 elsewhere.
+    it). Types: 1 on image tokens, 2 on video tokens, 0 elsewhere. Image and video states of the
+    compiler both come through here.
 
     Tokenizes the text with one pad per image and per frame pair and repeats those ids, which is
-    exact when the pad tokens are special added tokens matched on their own (as in every Qwen
-    folder); otherwise the fully expanded text is tokenized. ValueError when the counts of image
-    or video tokens do not match, or the text holds the processor's `<|placeholder|>` marker.
+    exact when the pad tokens in play stand alone (`_stands_alone`, as in every Qwen folder);
+    otherwise the fully expanded text is tokenized. ValueError when the counts of image or video
+    tokens do not match, or the text holds the processor's `<|placeholder|>` marker.
     """
     specials = tokenizer.special_tokens_map
     image_token = specials.get("image_token", "<|image_pad|>")
@@ -584,19 +585,22 @@ def encode_prompt(tokenizer: Tokenizer, text: str, videos: Sequence[VideoPlan] =
     vision_start = specials.get("vision_start_token", "<|vision_start|>")
     vision_end = specials.get("vision_end_token", "<|vision_end|>")
     image_id, video_id = tokenizer.token_id(image_token), tokenizer.token_id(video_token)
+    # The processor expands through that temporary marker, which would turn user text holding it
+    # into pad tokens: such a prompt is refused rather than tokenized differently.
     if (videos or image_token_counts) and PLACEHOLDER in text:
-        raise ValueError(f"text must not contain {PLACEHOLDER} together with images or videos")
+        raise ValueError(f"text must not contain {PLACEHOLDER} together with {'images or videos' if videos else 'images'}")
     if text.count(image_token) != len(image_token_counts):
         raise ValueError(f"the prompt holds {text.count(image_token)} {image_token} for {len(image_token_counts)} images")
     input_ids = None
-    if _stands_alone(tokenizer, image_token) and _stands_alone(tokenizer, video_token):
+    pads = ([image_token] if image_token_counts else []) + ([video_token] if videos else [])
+    if all(_stands_alone(tokenizer, pad) for pad in pads):  # a 1024-token image costs one token to tokenize
         compact = expand_videos(text, videos, video_token, vision_start, vision_end, pads_per_pair=1)
+        # ids: one pad per image and per frame pair -> each repeated to its image's or pair's count
         input_ids = _repeat_pads(tokenizer.encode_prompt(compact), image_id, list(image_token_counts), video_id,
                                  [plan.tokens_per_pair for plan in videos for _ in range(plan.grid_thw[0])])
     if input_ids is None:
-        for count in image_token_counts:
-            text = text.replace(image_token, PLACEHOLDER * count, 1)
-        text = text.replace(PLACEHOLDER, image_token)
+        pieces = text.split(image_token)  # len(image_token_counts) + 1 pieces
+        text = pieces[0] + "".join(image_token * count + piece for count, piece in zip(image_token_counts, pieces[1:]))
         input_ids = tokenizer.encode_prompt(expand_videos(text, videos, video_token, vision_start, vision_end))
     types = [1 if token == image_id else 2 if token == video_id else 0 for token in input_ids]
     return input_ids, types
@@ -618,7 +622,6 @@ def _repeat_pads(ids: list[int], image_id: int, image_counts: list[int], video_i
 
 
 def _stands_alone(tokenizer: Tokenizer, token: str) -> bool:
-    """A special added token without lstrip, rstrip, single_word or normalisation: the tokenizer
-    splits it out before anything else, so N copies are N ids and the text between is unaffected."""
-    added = {t.content: t for t in tokenizer.backend.get_added_tokens_decoder().values()}.get(token)
-    return added is not None and added.special and not (added.lstrip or added.rstrip or added.single_word or added.normalized)
+    """Whether N copies of `token` in a text are N ids with the text between tokenized alone (a
+    special added token matched exactly as written; worked out once, when the tokenizer loads)."""
+    return token in tokenizer.standalone_specials

@@ -888,8 +888,8 @@ def test_image_ids_expanded_after_tokenizing_equal_the_expanded_text(folder, mon
     # token per image and the ids repeated; tokenizing the fully expanded text must agree.
     fast = Compiler.from_dir(folder)
     slow = Compiler.from_dir(folder)
-    assert fast._image_token_stands_alone
-    slow._image_token_stands_alone = False
+    assert "<|image_pad|>" in fast.tokenizer.standalone_specials
+    slow.tokenizer.standalone_specials = frozenset()
     urls = [data_url(png(64, 64, seed=1)), data_url(png(300, 90, seed=2)), data_url(jpeg_rotated(40, 90), "jpeg")]
     content = [
         {"type": "text", "text": "a<b> "}, {"type": "image", "image": urls[0]}, {"type": "text", "text": " c "},
@@ -926,7 +926,7 @@ def test_image_token_with_strip_flags_is_expanded_in_the_text(folder, tmp_path):
         if token["content"] == "<|image_pad|>":
             token["lstrip"] = True
     (changed / "tokenizer.json").write_text(json.dumps(tokenizer_json), encoding="utf-8")
-    assert not Compiler.from_dir(changed)._image_token_stands_alone
+    assert "<|image_pad|>" not in Compiler.from_dir(changed).tokenizer.standalone_specials
 
 
 # ------------------------------------------------------------------ video states
@@ -1023,7 +1023,11 @@ def test_a_video_state_refuses_the_processor_placeholder_and_an_export_without_v
     content = [{"type": "video_url", "video_url": video_url(small_clip)}, {"type": "text", "text": "<|placeholder|>"}]
     with pytest.raises(RequestError) as info:
         compiler.compile(request(state={"messages": [{"role": "user", "content": content}]}))
-    assert info.value.field == "state" and "<|placeholder|>" in str(info.value)
+    assert str(info.value) == "state: text must not contain <|placeholder|> together with images or videos"
+    content[0] = {"type": "image", "image": SMALL_PNG}
+    with pytest.raises(RequestError) as info:
+        compiler.compile(request(state={"messages": [{"role": "user", "content": content}]}))
+    assert str(info.value) == "state: text must not contain <|placeholder|> together with images"
     without = Compiler(compiler.tokenizer, compiler.image_config)  # no video_preprocessor_config.json
     with pytest.raises(RequestError) as info:
         without.compile(request(state={"video": video_url(small_clip)}))

@@ -310,6 +310,17 @@ def test_prompt_ids_equal_the_processor(name, expand_text, processor, config, to
     assert types == ref["mm_token_type_ids"][0].tolist()
 
 
+@pytest.mark.parametrize("expand_text", [False, True], ids=["pad ids repeated", "text expanded"])
+def test_a_prompt_without_media_keeps_the_processor_marker_as_text(expand_text, processor, tokenizer, monkeypatch):
+    """The marker is refused only beside images or videos; without them the processor substitutes
+    nothing, so the text is tokenized as it stands."""
+    if expand_text:
+        monkeypatch.setattr(video_module, "_stands_alone", lambda *_: False)
+    text = tokenizer.render_chat([{"role": "user", "content": "literal <|placeholder|> text"}])
+    ids, types = encode_prompt(tokenizer, text)
+    assert ids == processor(text=[text], return_tensors="pt")["input_ids"][0].tolist() and not any(types)
+
+
 def test_expand_videos_takes_the_first_triple_anywhere_then_bare_tokens(processor, config, tokenizer):
     """5.4.0 gives the first video to the first vision_start/video_pad/vision_end left anywhere in
     the text, even one after a bare video token; the bare one gets the next video."""

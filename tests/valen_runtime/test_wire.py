@@ -438,9 +438,8 @@ def test_the_compiler_holds_no_request_checks():
     assert raised == sorted([
         "str(exc)",  # an image's size after its EXIF turn cannot be resized (image.py's check)
         "f'the chat template rejected the state ({exc})'",  # the export's template raised
-        "f'text must not contain {placeholder} together with images'",  # the rendered prompt
         "str(exc)",  # a video's plan: a side under patch * merge or an aspect ratio (video.py's check)
-        "str(exc)",  # a video state's prompt holds the processor's placeholder (video.py's check)
+        "str(exc)",  # the rendered prompt holds the processor's placeholder (video.py's encode_prompt)
         "'this export takes no video (it has no video_preprocessor_config.json)'",  # the export
         "f'{length} tokens exceed max_length={self.max_length}; no truncation'",  # the tokenized prompt
     ])
