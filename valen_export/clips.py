@@ -15,7 +15,11 @@ import numpy as np
 # Encoder options that keep the slow software encoders fast on a 2-core machine. VP8 takes a
 # negative cpu-used: a positive one in realtime mode adapts its speed to the measured encoding
 # time, so the bytes would depend on the machine's load.
+# x264's macroblock-tree rate control (mbtree) on these small frames gives other bytes once the
+# process has run torch CPU work (not with asm=0: an assembly routine reads memory it did not
+# write). It is off, with B-frames placed without the lookahead (b-adapt=0).
 ENCODER_OPTIONS = {"libaom-av1": {"cpu-used": "8"}, "libx265": {"x265-params": "log-level=none"},
+                   "libx264": {"x264-params": "b-adapt=0:mbtree=0"},
                    "libvpx": {"deadline": "realtime", "cpu-used": "-8"}, "libvpx-vp9": {"deadline": "realtime", "cpu-used": "8"}}
 # MIME subtype (data:video/<subtype>) -> PyAV's muxer name.
 MUXERS = {"mp4": "mp4", "webm": "webm"}

@@ -82,6 +82,38 @@ def test_clips_are_the_same_bytes_when_encoded_again():
     assert [cases.video_data_url(name) for name in cases.CLIPS] == first
 
 
+CLIPS_BEFORE_AND_AFTER_A_REQUEST = """
+import json, sys
+from parity import cases
+from valen_runtime.cli import main
+def clips():
+    cases.video_data_url.cache_clear()
+    return [cases.video_data_url(name) for name in reversed(cases.CLIPS)]  # mp4_long first: it showed the fault
+before = clips()
+try:
+    main.main(["--export", sys.argv[1], "--device", "cpu", sys.argv[2]], standalone_mode=False)
+except SystemExit as exit:
+    assert not exit.code, exit.code
+print(json.dumps([clips() == before for _ in range(3)]))
+"""
+
+
+def test_clips_are_the_same_bytes_before_and_after_the_runtime_ran(tiny_export, tmp_path):
+    # x264's mbtree gave other bytes once a torch CPU request had run in the process (clips.py):
+    # in a child process, whose first encoding comes before any torch work.
+    import json
+    import subprocess
+    import sys
+
+    request = {"model": "valen-preview-0923", "state": "The parcel came late.",
+               "questions": {"q": {"type": "choice", "instructions": "What next?", "criteria": {"a": "Refund", "b": "Wait"}}}}
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    child = subprocess.run([sys.executable, "-c", CLIPS_BEFORE_AND_AFTER_A_REQUEST, str(tiny_export["separate"]), str(tmp_path / "request.json")],
+                           capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert json.loads(child.stdout.splitlines()[-1]) == [True] * 3
+
+
 def test_every_generated_set_ends_with_the_video_group():
     group = cases.cases("video")
     for make in generator.SETS.values():
