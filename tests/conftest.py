@@ -5,8 +5,11 @@ They are built by the same `valen-fixture` / `valen-export` code users run.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import platform
+import shutil
 from importlib import metadata
 from pathlib import Path
 
@@ -85,24 +88,51 @@ def text_assets(tmp_path_factory):
     return directory, ids
 
 
+@contextlib.contextmanager
+def run_wide(tmp_path_factory, name: str):
+    """(directory, fill): a directory that every pytest-xdist worker of this run shares, held under
+    a lock; fill is True for the first worker, which must build in it, and False once it is built.
+
+    Session fixtures that cost seconds (references) or that such results are keyed on (the tiny
+    fixture) are built once per run this way instead of once per worker. The directory lies in the
+    run's own base temporary directory, so nothing carries over from an earlier run."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: its own session is the run
+        yield tmp_path_factory.mktemp(name), True
+        return
+    root = tmp_path_factory.getbasetemp().parent  # xdist gives each worker <run's basetemp>/<worker>
+    directory, done = root / f"run-wide-{name}", root / f"run-wide-{name}.done"
+    with open(root / f"run-wide-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when a worker dies
+        fill = not done.exists()
+        if fill:  # never built, or a worker failed half-way through: start afresh
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+        yield directory, fill
+        if fill:
+            done.touch()
+
+
 @pytest.fixture(scope="session")
 def tiny_fixture(tmp_path_factory):
-    from valen_export.fixture import build_fixture
+    """The tiny fixture, built once per run (run_wide). Read-only."""
+    from valen_export.fixture import Fixture, build_fixture
 
-    return build_fixture(tmp_path_factory.mktemp("fixture") / "tiny", preset="tiny", seed=0)
+    with run_wide(tmp_path_factory, "fixture") as (directory, fill):
+        out = directory / "tiny"
+        return build_fixture(out, preset="tiny", seed=0) if fill else Fixture(out, out / "base", out / "checkpoint", out / "pins.json")
 
 
 @pytest.fixture(scope="session")
 def tiny_export(tiny_fixture, tmp_path_factory):
-    """{"separate": Path, "merged": Path} exports of the tiny fixture."""
+    """{"separate": Path, "merged": Path} exports of the tiny fixture, built once per run. Read-only."""
     from valen_export.export import export
 
-    root = tmp_path_factory.mktemp("exports")
-    out = {}
-    for mode in ("separate", "merged"):
-        out[mode] = root / mode
-        export(tiny_fixture.checkpoint, tiny_fixture.base, out[mode], lora_mode=mode, pins_path=tiny_fixture.pins, progress=False)
-    return out
+    with run_wide(tmp_path_factory, "exports") as (root, fill):
+        out = {mode: root / mode for mode in ("separate", "merged")}
+        if fill:
+            for mode, path in out.items():
+                export(tiny_fixture.checkpoint, tiny_fixture.base, path, lora_mode=mode, pins_path=tiny_fixture.pins, progress=False)
+        return out
 
 
 def copy_tree(src: Path, dst: Path) -> Path:
