@@ -14,8 +14,10 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import settings
+
+# torch is imported where it is used, not here: the pytest runs that tests/native starts in child
+# processes collect only torch-free modules and would otherwise pay its import (seconds) each.
 
 # Hypothesis: "ci" (the default, and what `make test` selects) is derandomized with no example
 # database, so a run never depends on an earlier one; `make fuzz` selects "fuzz": random search,
@@ -36,6 +38,8 @@ def _v(dist: str) -> str:
 
 
 def pytest_report_header(config):
+    import torch
+
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
     return (
         f"python {platform.python_version()}, torch {torch.__version__}, transformers {_v('transformers')}, "
@@ -44,16 +48,22 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    import torch
+
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+        for item in gpu:
+            item.add_marker(skip)
 
 
 @pytest.fixture()
 def one_torch_thread():
     """Run a test on one torch thread and restore the previous count afterwards."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -152,6 +162,8 @@ def fp32_roundoff_bound(fn, x: torch.Tensor, reduction_length: int, stages: int,
     signs, and allow it once per stage and per side: 2 * stages * the largest response seen. The
     bound thus follows the computation's own conditioning on whatever CPU runs it.
     """
+    import torch
+
     scale = reduction_length**0.5 * 2.0**-24
     gen = torch.Generator().manual_seed(0)
     want = fn(x).double()
