@@ -5,14 +5,19 @@ They are built by the same `valen-fixture` / `valen-export` code users run.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import platform
+import shutil
 from importlib import metadata
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import settings
+
+# torch is imported where it is used, not here: the pytest runs that tests/native starts in child
+# processes collect only torch-free modules and would otherwise pay its import (seconds) each.
 
 # Hypothesis: "ci" (the default, and what `make test` selects) is derandomized with no example
 # database, so a run never depends on an earlier one; `make fuzz` selects "fuzz": random search,
@@ -33,6 +38,8 @@ def _v(dist: str) -> str:
 
 
 def pytest_report_header(config):
+    import torch
+
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
     return (
         f"python {platform.python_version()}, torch {torch.__version__}, transformers {_v('transformers')}, "
@@ -41,16 +48,22 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    import torch
+
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+        for item in gpu:
+            item.add_marker(skip)
 
 
 @pytest.fixture()
 def one_torch_thread():
     """Run a test on one torch thread and restore the previous count afterwards."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -85,24 +98,51 @@ def text_assets(tmp_path_factory):
     return directory, ids
 
 
+@contextlib.contextmanager
+def run_wide(tmp_path_factory, name: str):
+    """(directory, fill): a directory that every pytest-xdist worker of this run shares, held under
+    a lock; fill is True for the first worker, which must build in it, and False once it is built.
+
+    Session fixtures that cost seconds (references) or that such results are keyed on (the tiny
+    fixture) are built once per run this way instead of once per worker. The directory lies in the
+    run's own base temporary directory, so nothing carries over from an earlier run."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: its own session is the run
+        yield tmp_path_factory.mktemp(name), True
+        return
+    root = tmp_path_factory.getbasetemp().parent  # xdist gives each worker <run's basetemp>/<worker>
+    directory, done = root / f"run-wide-{name}", root / f"run-wide-{name}.done"
+    with open(root / f"run-wide-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when a worker dies
+        fill = not done.exists()
+        if fill:  # never built, or a worker failed half-way through: start afresh
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+        yield directory, fill
+        if fill:
+            done.touch()
+
+
 @pytest.fixture(scope="session")
 def tiny_fixture(tmp_path_factory):
-    from valen_export.fixture import build_fixture
+    """The tiny fixture, built once per run (run_wide). Read-only."""
+    from valen_export.fixture import Fixture, build_fixture
 
-    return build_fixture(tmp_path_factory.mktemp("fixture") / "tiny", preset="tiny", seed=0)
+    with run_wide(tmp_path_factory, "fixture") as (directory, fill):
+        out = directory / "tiny"
+        return build_fixture(out, preset="tiny", seed=0) if fill else Fixture(out, out / "base", out / "checkpoint", out / "pins.json")
 
 
 @pytest.fixture(scope="session")
 def tiny_export(tiny_fixture, tmp_path_factory):
-    """{"separate": Path, "merged": Path} exports of the tiny fixture."""
+    """{"separate": Path, "merged": Path} exports of the tiny fixture, built once per run. Read-only."""
     from valen_export.export import export
 
-    root = tmp_path_factory.mktemp("exports")
-    out = {}
-    for mode in ("separate", "merged"):
-        out[mode] = root / mode
-        export(tiny_fixture.checkpoint, tiny_fixture.base, out[mode], lora_mode=mode, pins_path=tiny_fixture.pins, progress=False)
-    return out
+    with run_wide(tmp_path_factory, "exports") as (root, fill):
+        out = {mode: root / mode for mode in ("separate", "merged")}
+        if fill:
+            for mode, path in out.items():
+                export(tiny_fixture.checkpoint, tiny_fixture.base, path, lora_mode=mode, pins_path=tiny_fixture.pins, progress=False)
+        return out
 
 
 def copy_tree(src: Path, dst: Path) -> Path:
@@ -122,6 +162,8 @@ def fp32_roundoff_bound(fn, x: torch.Tensor, reduction_length: int, stages: int,
     signs, and allow it once per stage and per side: 2 * stages * the largest response seen. The
     bound thus follows the computation's own conditioning on whatever CPU runs it.
     """
+    import torch
+
     scale = reduction_length**0.5 * 2.0**-24
     gen = torch.Generator().manual_seed(0)
     want = fn(x).double()

@@ -26,8 +26,6 @@ from pathlib import Path
 
 import pytest
 
-from valen_runtime.safetensors_file import SafetensorsFile, write_file
-
 REPO = Path(__file__).resolve().parents[2]
 NATIVE = REPO / "native"
 CRATE = NATIVE / "Cargo.toml"
@@ -235,6 +233,8 @@ def rehash(export: Path, *names: str) -> None:
 
 def rewrite_tensors(export: Path, file: str, change) -> None:
     """Rewrite safetensors `file` as change({name: tensor}) returns it, then re-hash it."""
+    from valen_runtime.safetensors_file import SafetensorsFile, write_file  # torch: only where needed (tests/conftest.py)
+
     path = export / file
     tensors = dict(SafetensorsFile(path).iter_tensors())
     tensors = change(tensors)

@@ -16,7 +16,8 @@ import subprocess
 
 import pytest
 
-from valen_export.verify import verify_export
+# valen_export.verify is imported in the tests that call it: it brings torch, which the pytest runs
+# tests/native/test_native_build.py starts (collecting this module) need not import.
 
 GOOD = ("separate", "merged", "single")
 CHECK_TIMEOUT_S = 120  # the tiny exports are about 1 MiB; generous for a loaded 2-core machine
@@ -29,6 +30,8 @@ def run_native(binary, export_dir, vectors=None) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("name", GOOD)
 def test_python_reader_accepts_fresh_exports(native_exports, name):
+    from valen_export.verify import verify_export
+
     assert verify_export(native_exports[name]) == []
 
 
@@ -82,6 +85,8 @@ DAMAGE_NAMES = [
 @pytest.mark.parametrize("damaged", DAMAGE_NAMES, indirect=True)
 def test_python_reader_refuses_damage(damaged):
     export, word = damaged
+    from valen_export.verify import verify_export
+
     failures = verify_export(export)
     assert failures, "accepted a damaged export"
     assert any(word in line for line in failures), failures

@@ -14,6 +14,8 @@ import pytest
 from parity import cases, controls, generator
 from parity.reference_run import start_reference
 
+from ..conftest import run_wide
+
 THREADS = 1
 CONTROL_REQUESTS = 3  # per control; their union is the session's request set
 
@@ -33,13 +35,18 @@ def control_requests():
 
 @pytest.fixture(scope="session")
 def reference_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("parity-reference-cache")
+    """One cache for the whole run (every xdist worker's sessions)."""
+    with run_wide(tmp_path_factory, "parity-reference-cache") as (directory, _):
+        return directory
 
 
 @pytest.fixture(scope="session")
-def references(tiny_fixture, control_requests, reference_cache):
-    """{dtype: ReferenceRun} of the control requests: bf16, fp32 (the truth) and fp64."""
+def references(tiny_fixture, control_requests, reference_cache, tmp_path_factory):
+    """{dtype: ReferenceRun} of the control requests: bf16, fp32 (the truth) and fp64. The first
+    xdist worker to need them runs the reference processes into the run's cache; the others wait
+    for it and read the cache (no second set of processes)."""
     ids = [(f"{c}/{n}", r) for c, n, r in control_requests]
-    jobs = {d: start_reference(tiny_fixture.checkpoint, tiny_fixture.base, ids, device="cpu", dtype=d, threads=THREADS, cache_dir=reference_cache)
-            for d in ("bf16", "fp32", "fp64")}
-    return {d: job.wait() for d, job in jobs.items()}
+    with run_wide(tmp_path_factory, "parity-references") as _:
+        jobs = {d: start_reference(tiny_fixture.checkpoint, tiny_fixture.base, ids, device="cpu", dtype=d, threads=THREADS, cache_dir=reference_cache)
+                for d in ("bf16", "fp32", "fp64")}
+        return {d: job.wait() for d, job in jobs.items()}
