@@ -803,6 +803,28 @@ def test_health_reports_loading_and_warmup_progress_and_requests_are_503_until_r
     assert proc.wait(timeout=60) == 0 and '"event": "stopped"' in rest and "Traceback" not in rest, rest
 
 
+def test_a_stop_signal_while_warming_up_exits_0_at_once(tiny_export):
+    """The executor thread is inside its first warmup step (held): the signal does not wait for it."""
+    cmd = [sys.executable, "-c", GATED_WORKER, "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stderr.readline())["event"] == "loading"
+        proc.stdin.write("\n")  # loading may finish; the first warmup step then waits
+        proc.stdin.flush()
+        while json.loads(proc.stderr.readline()).get("event") != "loaded":
+            assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=30) == 0, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdin.close()
+    stopped = [json.loads(line) for line in rest.splitlines() if '"stopped"' in line]
+    assert len(stopped) == 1 and stopped[0]["reason"] == f"signal {int(signal.SIGTERM)} before ready", rest
+    assert '"ready"' not in rest and "Traceback" not in rest, rest
+
+
 def _export_with_failing_template(source, tmp_path):
     """A copy of the export whose chat template emits a video token for one phrase; the manifest
     is updated, so the export loads and only such a request fails inside the compiler (500)."""

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from valen_runtime.serve.cli import _StopSignals
+from valen_runtime.errors import ValenError
+from valen_runtime.serve.cli import _error_line, _StopSignals
 
 SCRIPT = """
 import logging, warnings
@@ -73,6 +74,12 @@ def test_a_stop_signal_right_at_the_ready_line_drains_and_exits_0(tiny_export, s
             proc.kill()
     stopped = [json.loads(line) for line in rest.splitlines() if '"stopped"' in line]
     assert len(stopped) == 1 and stopped[0]["reason"] == "signal" and "Traceback" not in rest, rest
+
+
+def test_a_failure_while_loading_or_warming_up_is_one_line():
+    assert _error_line(ValenError("valen_head.safetensors: sha256 mismatch")) == "error: valen_head.safetensors: sha256 mismatch"
+    assert _error_line(RuntimeError("CUDA out of memory.\nTried to allocate 2 GiB")) == \
+        "error: loading or warming up failed: RuntimeError: CUDA out of memory."
 
 
 # ---------------------------------------------------------------- --compile-cache
