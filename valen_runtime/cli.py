@@ -17,7 +17,8 @@ from pathlib import Path
 
 import click
 
-from .cli_options import engine_options, resolve, temperature_options, threads_option
+from . import compile_cache as compile_cache_module
+from .cli_options import compile_cache_option, engine_options, resolve, temperature_options, threads_option
 from .errors import ValenError
 
 
@@ -29,10 +30,12 @@ from .errors import ValenError
               help="Before loading: re-hash every file against the manifest (full, as valen-serve and valen-verify do), "
                    "check only the sizes (size: skips a few seconds of hashing on a 2B export, and misses damage that keeps a file's size), or neither (none).")
 @threads_option()
+@compile_cache_option
 @click.option("--timings", is_flag=True, help="Print prepare/model seconds to stderr.")
 @click.option("--verbose", is_flag=True, help="Print the resolved options (one JSON line) to stderr before loading.")
 @click.argument("request", type=click.Path(allow_dash=True, path_type=str))
-def main(export_dir, device, dtype, mode, kernels, graphs, compile_, temperature, calibration, verify, threads, timings, verbose, request) -> None:
+def main(export_dir, device, dtype, mode, kernels, graphs, compile_, temperature, calibration, verify, threads, compile_cache, timings, verbose,
+         request) -> None:
     """Run Valen on REQUEST (a JSON file, or - for stdin) and print the response JSON.
 
     \b
@@ -54,6 +57,8 @@ def main(export_dir, device, dtype, mode, kernels, graphs, compile_, temperature
             click.echo(json.dumps({"options": options.describe(), "verify": verify, "threads": threads}), err=True)
         if threads is not None:
             torch.set_num_threads(threads)
+        if compile_cache_module.compiles(options):
+            compile_cache_module.use(compile_cache_module.resolve_dir(compile_cache))
         engine = Engine.load(export_dir, options, verify=verify)
         result = engine.run(req)
     except (ValenError, ValueError, OSError) as e:

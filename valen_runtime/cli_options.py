@@ -57,3 +57,13 @@ def threads_option(help: str = "torch CPU threads (default: torch's, one per cor
     return click.option("--threads", type=click.IntRange(1, None), default=None, help=help)
 
 
+
+
+def compile_cache_option(command):
+    """Adds --compile-cache (see compile_cache.py); its function receives compile_cache (a str or None)."""
+    from .compile_cache import ENV_VAR, default_dir
+
+    return click.option(
+        "--compile-cache", "compile_cache", default=None, metavar="DIR|none",
+        help=f"Keep torch.compile's Inductor and Triton caches (and Triton's autotuning results) in DIR, so a restart "
+             f"reuses what an earlier process compiled; 'none' turns it off (default: ${ENV_VAR}, else {default_dir()}).")(command)

@@ -693,7 +693,7 @@ def test_startup_refuses_a_damaged_export_and_a_taken_port(tiny_export, tmp_path
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_a_stop_signal_while_loading_exits_0_without_listening(tiny_export, tmp_path, signum):
+def test_a_stop_signal_while_loading_exits_0_at_once(tiny_export, tmp_path, signum):
     cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = proc.stderr.readline()  # the "loading" line comes before the export is read
@@ -723,6 +723,106 @@ def test_under_nohup_sighup_neither_stops_loading_nor_the_ready_worker(tiny_expo
         proc.send_signal(signal.SIGTERM)
         rest = proc.stderr.read()
         assert proc.wait(timeout=60) == 0 and '"event": "stopped"' in rest, rest
+
+
+# The worker with its loading, and then its first warmup step, each held until a line comes on stdin.
+GATED_WORKER = """
+import sys
+from valen_runtime.engine import Engine
+from valen_runtime.serve.cli import main
+
+load = Engine.load
+
+
+def gated_load(*args, **kwargs):
+    sys.stdin.readline()
+    engine = load(*args, **kwargs)
+    run = engine.run
+
+    def first_run(request):
+        engine.run = run
+        sys.stdin.readline()
+        return run(request)
+
+    engine.run = first_run
+    return engine
+
+
+Engine.load = gated_load
+main()
+"""
+
+
+def test_health_reports_loading_and_warmup_progress_and_requests_are_503_until_ready(tiny_export, engine):
+    """The worker listens before it loads: while loading and warming up /health is 503 with how far
+    warmup has got (answered beside the busy executor thread) and requests are refused at once; one
+    log line per warmup step; then exactly the ready worker."""
+    cmd = [sys.executable, "-c", GATED_WORKER, "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def next_event(name: str) -> dict:
+        for line in proc.stderr:
+            entry = json.loads(line)
+            if entry.get("event") == name:
+                return entry
+            lines.append(entry)
+        raise AssertionError(f"no {name} line; exit {proc.poll()}")
+
+    def health() -> tuple[int, dict]:
+        status, _, data = http_call(port, "GET", "/health", timeout=10)
+        return status, json.loads(data)
+
+    lines: list[dict] = []
+    try:
+        port = next_event("loading")["port"]
+        status, body = health()
+        assert status == 503 and body["detail"] == "warming up", body
+        assert {k: body["warmup"][k] for k in ("stage", "done", "total")} == {"stage": "loading", "done": 0, "total": None}
+        request = text_request()
+        assert post(port, request)[:2] == (503, {"detail": "warming up"})
+        proc.stdin.write("\n")  # loading may finish
+        proc.stdin.flush()
+        total = next_event("loaded")["warmup_steps"]
+        status, body = health()
+        assert status == 503 and body["warmup"]["stage"] == "warmup" and (body["warmup"]["done"], body["warmup"]["total"]) == (0, total)
+        assert body["warmup"]["elapsed_s"] >= 0
+        proc.stdin.write("\n")  # the warmup may go on
+        proc.stdin.flush()
+        ready = next_event("ready")
+        steps = [line for line in lines if line.get("event") == "warmup"]
+        assert [line["done"] for line in steps] == list(range(1, total + 1)) and all(line["total"] == total for line in steps)
+        assert ready["warmup_s"] >= 0 and ready["load_s"] >= 0 and ready["ready_s"] >= ready["warmup_s"] and "compile_cache" in ready
+        assert health() == (200, HEALTH)
+        status, answer, _ = post(port, request)
+        assert status == 200 and encode_response(answer) == expected_bytes(engine, request)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        proc.stdin.close()
+    assert proc.wait(timeout=60) == 0 and '"event": "stopped"' in rest and "Traceback" not in rest, rest
+
+
+def test_a_stop_signal_while_warming_up_exits_0_at_once(tiny_export):
+    """The executor thread is inside its first warmup step (held): the signal does not wait for it."""
+    cmd = [sys.executable, "-c", GATED_WORKER, "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stderr.readline())["event"] == "loading"
+        proc.stdin.write("\n")  # loading may finish; the first warmup step then waits
+        proc.stdin.flush()
+        while json.loads(proc.stderr.readline()).get("event") != "loaded":
+            assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=30) == 0, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdin.close()
+    stopped = [json.loads(line) for line in rest.splitlines() if '"stopped"' in line]
+    assert len(stopped) == 1 and stopped[0]["reason"] == f"signal {int(signal.SIGTERM)} before ready", rest
+    assert '"ready"' not in rest and "Traceback" not in rest, rest
 
 
 def _export_with_failing_template(source, tmp_path):

@@ -6,14 +6,17 @@ Logging is configured in a child process: it changes the root logger of the proc
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from valen_runtime.serve.cli import _StopSignals
+from valen_runtime.errors import ValenError
+from valen_runtime.serve.cli import _error_line, _StopSignals
 
 SCRIPT = """
 import logging, warnings
@@ -36,16 +39,20 @@ def test_a_library_warning_becomes_one_json_line_of_the_warnings_logger():
     assert any(entry.get("logger") == "some.library" and entry["message"] == "plain text" for entry in entries)
 
 
-def test_a_stop_signal_once_the_server_exists_asks_it_to_drain():
+def test_a_stop_signal_once_the_executor_is_warm_asks_the_server_to_drain():
     class Server:
         calls = []
 
         def handle_exit(self, signum, frame):
             self.calls.append(signum)
 
+    class Executor:
+        ready = concurrent.futures.Future()
+
+    Executor.ready.set_result(None)
     handler = _StopSignals()
-    handler.server = Server()
-    handler(signal.SIGTERM, None)  # with a server: never the immediate exit of the starting phase
+    handler.server, handler.executor = Server(), Executor()
+    handler(signal.SIGTERM, None)  # warm: never the immediate exit of the starting phase
     assert Server.calls == [signal.SIGTERM]
 
 
@@ -67,3 +74,78 @@ def test_a_stop_signal_right_at_the_ready_line_drains_and_exits_0(tiny_export, s
             proc.kill()
     stopped = [json.loads(line) for line in rest.splitlines() if '"stopped"' in line]
     assert len(stopped) == 1 and stopped[0]["reason"] == "signal" and "Traceback" not in rest, rest
+
+
+def test_a_failure_while_loading_or_warming_up_is_one_line():
+    assert _error_line(ValenError("valen_head.safetensors: sha256 mismatch")) == "error: valen_head.safetensors: sha256 mismatch"
+    assert _error_line(RuntimeError("CUDA out of memory.\nTried to allocate 2 GiB")) == \
+        "error: loading or warming up failed: RuntimeError: CUDA out of memory."
+
+
+# ---------------------------------------------------------------- --compile-cache
+
+
+def test_the_compile_cache_directory_comes_from_the_option_the_environment_or_xdg(monkeypatch, tmp_path):
+    from valen_runtime import compile_cache
+
+    monkeypatch.delenv(compile_cache.ENV_VAR, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache.resolve_dir(None) == tmp_path / "xdg" / "valen" / "compile"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert compile_cache.resolve_dir(None) == tmp_path / "home" / ".cache" / "valen" / "compile"
+    monkeypatch.setenv(compile_cache.ENV_VAR, str(tmp_path / "env"))
+    assert compile_cache.resolve_dir(None) == tmp_path / "env"
+    assert compile_cache.resolve_dir(str(tmp_path / "option")) == tmp_path / "option"  # the option wins
+    monkeypatch.setenv(compile_cache.ENV_VAR, "none")
+    assert compile_cache.resolve_dir(None) is None and compile_cache.resolve_dir("None") is None
+    assert compile_cache.use(None) == {"dir": None}  # 'none': torch's own defaults, nothing set
+    from valen_runtime.options import EngineOptions
+
+    assert not compile_cache.compiles(EngineOptions(device="cpu"))  # nothing compiled: the directory is left alone
+    assert compile_cache.compiles(EngineOptions(device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast", compile=True))
+
+
+def test_an_unwritable_compile_cache_is_one_line_and_exit_2_before_loading(tiny_export, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu",
+           "--dtype", "fp32", "--mode", "shared-prefix", "--kernels", "fast", "--compile", "--compile-cache", str(blocker / "cache")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and '"loading"' not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: --compile-cache {blocker / 'cache'}: cannot write there"), line
+
+
+def _ready_line(cmd: list[str], env: dict) -> dict:
+    """Start a worker, read its log up to the ready line, stop it (exit 0)."""
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stderr:
+            if not line.startswith("{"):  # torch's own log handler writes plain text (its "no CUDA runtime" warning)
+                continue
+            entry = json.loads(line)
+            if entry.get("event") == "ready":
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=60) == 0, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return entry
+
+
+@pytest.mark.slow  # two workers compiling with inductor C++ on the CPU: about 2 minutes on 2 busy cores
+def test_a_second_process_loads_the_first_ones_compiled_graphs_from_the_compile_cache(tiny_export, tmp_path):
+    """torch.compile on the CPU (inductor C++): the first worker compiles and fills DIR/inductor, a
+    second one with the same --compile-cache gets FX graph cache hits (its ready line counts them)."""
+    cache = tmp_path / "compile-cache"
+    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu",
+           "--dtype", "fp32", "--mode", "shared-prefix", "--kernels", "fast", "--compile", "--warmup", "basic", "--compile-cache", str(cache)]
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("TORCHINDUCTOR_", "TRITON_"))}
+    first = _ready_line(cmd, env)
+    assert first["compile_cache"]["dir"] == str(cache) and first["compile_cache"]["fx_graph_misses"] > 0, first
+    assert any((cache / "inductor").iterdir())
+    second = _ready_line(cmd, env)
+    assert second["compile_cache"]["fx_graph_hits"] > 0, second["compile_cache"]

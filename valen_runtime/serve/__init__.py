@@ -2,11 +2,12 @@
 
 The contract is docs/wire-contract.md; the checks are wire.py's, shared with valen-run.
 
-Lifecycle: the port is bound first (a taken port fails at once, before minutes of loading), then
-the executor thread loads the export with a full hash check and warms up on real requests (on
-CUDA, one per shape family the compiled functions and graphs specialise on); only then does the
-socket listen, so /health answers "ready" from its first connection. SIGTERM, SIGINT or SIGHUP: stop
-accepting, answer every admitted request, exit 0.
+Lifecycle: the port is bound and listens first (a taken port fails at once, before minutes of
+loading), then the executor thread loads the export with a full hash check and warms up on real
+requests (on CUDA, one per shape family the compiled functions and graphs specialise on) while
+uvicorn already serves: /health answers 503 "warming up" with the executor's progress, requests
+503 "warming up", until it is warm. SIGTERM, SIGINT or SIGHUP: before then stop at once; after,
+stop accepting, answer every admitted request; exit 0.
 
 Threads: uvicorn's event loop reads and checks each request's headers and body; two parse
 threads turn bodies into canonical requests; one executor thread owns the Engine and runs

@@ -38,6 +38,19 @@ class Job:
         return not self.future.cancel()
 
 
+@dataclass
+class WarmupProgress:
+    """How far loading and warmup have got; written by the executor thread, read by /health."""
+
+    stage: str = "loading"  # loading, warmup, then ready (or failed)
+    done: int = 0  # warmup steps run (a request, or a group run together), over every pass
+    total: int | None = None  # known once the engine is loaded (passes and groups depend on it)
+    started: float | None = None  # perf_counter when loading began
+
+    def snapshot(self) -> dict:
+        elapsed = 0.0 if self.started is None else time.perf_counter() - self.started
+        return {"stage": self.stage, "done": self.done, "total": self.total, "elapsed_s": round(elapsed, 1)}
+
 
 class Executor:
     """One thread owns the Engine: it loads it, warms it up, then runs jobs in arrival order, up to
@@ -61,18 +74,22 @@ class Executor:
         self.pipelined = pipelined
         self.batches_run = 0  # executor sweeps with more than one request
         self._jobs: "queue.SimpleQueue[Job | None]" = queue.SimpleQueue()
-        self._ready = threading.Event()
+        # Resolved on the executor thread once warm (None) or with what loading or warmup raised.
+        self.ready: concurrent.futures.Future = concurrent.futures.Future()
+        self.progress = WarmupProgress()
         self._thread = threading.Thread(target=self._run, name="valen-executor", daemon=True)
-        self.error: BaseException | None = None
-        self.timings: dict[str, float] = {}
+        self.timings: dict = {}
         self.engine_info: dict = {}
 
     def start(self) -> None:
-        """Load and warm up on the executor thread; raises what loading raised."""
+        """Start the executor thread: it loads and warms up (see `progress`), resolves `ready`, then
+        runs jobs; jobs submitted before then wait for it."""
+        self.progress.started = time.perf_counter()
         self._thread.start()
-        self._ready.wait()
-        if self.error is not None:
-            raise self.error
+
+    def wait_ready(self) -> None:
+        """Block until loaded and warm; raises what loading or warmup raised."""
+        self.ready.result()
 
     @property
     def alive(self) -> bool:
@@ -90,27 +107,13 @@ class Executor:
 
     def _run(self) -> None:
         try:
-            t0 = time.perf_counter()
-            engine = self._load()
-            batches = engine.batches and self.max_batch > 1
-            self.engine_info = {"mode": engine.mode, "layout": ("one-pass" if engine.one_pass else "batch") + " where a prefix is shared, else rows",
-                                "kernels": dict(engine.kernels), "cuda_graphs": engine.graphs is not None,
-                                "max_batch": self.max_batch if batches else 1}
-            t1 = time.perf_counter()
-            # CUDA graphs capture a shape on its second use (fast/graphs.py): run everything twice.
-            for _ in range(2 if engine.graphs is not None else 1):
-                for request in self._warmup:
-                    engine.run(request)
-                for group in warmup_batches(self._warmup, self.max_batch) if batches else []:
-                    for result in engine.run_many(group):
-                        if isinstance(result, Exception):
-                            raise result
-            self.timings = {"load_s": t1 - t0, "warmup_s": time.perf_counter() - t1}
-        except BaseException as exc:  # handed to start(), which raises it in the main thread
-            self.error = exc
+            engine, batches = self._load_and_warm_up()
+        except BaseException as exc:  # for whoever waits on `ready` (valen-serve's main thread)
+            self.progress.stage = "failed"
+            self.ready.set_exception(exc)
             return
-        finally:
-            self._ready.set()
+        self.progress.stage = "ready"
+        self.ready.set_result(None)
         # An engine that does not batch runs requests one at a time, so each starts (and can still be
         # abandoned) on its own.
         take = self.max_batch if batches else 1
@@ -133,6 +136,43 @@ class Executor:
                 in_flight = None
             if in_flight is None and stopping:
                 return
+
+    def _load_and_warm_up(self):
+        """Load the engine and run the warmup, step by step in `progress` and one log line per step:
+        (engine, whether it batches)."""
+        progress = self.progress
+        t0 = time.perf_counter()
+        engine = self._load()
+        batches = engine.batches and self.max_batch > 1
+        self.engine_info = {"mode": engine.mode, "layout": ("one-pass" if engine.one_pass else "batch") + " where a prefix is shared, else rows",
+                            "kernels": dict(engine.kernels), "cuda_graphs": engine.graphs is not None,
+                            "max_batch": self.max_batch if batches else 1}
+        t1 = time.perf_counter()
+        # CUDA graphs capture a shape on its second use (fast/graphs.py): run everything twice.
+        passes = 2 if engine.graphs is not None else 1
+        groups = warmup_batches(self._warmup, self.max_batch) if batches else []
+        steps = [("request", request) for request in self._warmup] + [("batch", group) for group in groups]
+        progress.total, progress.stage = passes * len(steps), "warmup"
+        log.info({"event": "loaded", "load_s": round(t1 - t0, 3), "warmup_steps": progress.total})
+        pass_s = []
+        for _ in range(passes):
+            pass_started = time.perf_counter()
+            for kind, step in steps:
+                step_started = time.perf_counter()
+                if kind == "request":
+                    engine.run(step)
+                else:
+                    for result in engine.run_many(step):
+                        if isinstance(result, Exception):
+                            raise result
+                progress.done += 1
+                now = time.perf_counter()
+                log.info({"event": "warmup", "done": progress.done, "total": progress.total,
+                          "step_s": round(now - step_started, 3), "elapsed_s": round(now - progress.started, 3)})
+            pass_s.append(round(time.perf_counter() - pass_started, 3))
+        # The first pass compiles (and autotunes); a second one captures the CUDA graphs.
+        self.timings = {"load_s": round(t1 - t0, 3), "warmup_s": round(time.perf_counter() - t1, 3), "warmup_passes_s": pass_s}
+        return engine, batches
 
     def _take(self, most: int, block: bool) -> list:
         """Up to `most` queued jobs, waiting for the first only when `block` (and then up to

@@ -20,6 +20,7 @@ from .settings import Settings
 log = logging.getLogger("valen_serve")
 
 HEALTH = {"status": "ready", "model": MODEL_NAME, "modality": "multimodal"}
+WARMING_UP = "warming up"  # the 503 detail while the executor loads and warms up (listening already)
 ROUTES = {("GET", "/health"), ("POST", "/v1/systemone")}
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
@@ -75,9 +76,15 @@ class WorkerApp:
             record["detail"] = body.get("detail", body.get("status"))
         log.info(record)
 
+    def _warming_up(self) -> bool:
+        return self.executor.progress.stage in ("loading", "warmup")
+
     def _health(self) -> tuple[int, dict]:
+        """Answered on the event loop from the executor's progress: never queued behind inference."""
         if self.draining():
             return 503, {"detail": "shutting down"}
+        if self._warming_up():
+            return 503, {"detail": WARMING_UP, "warmup": self.executor.progress.snapshot()}
         if not self.executor.alive:
             return 503, {"detail": "the executor thread has stopped"}
         return 200, dict(HEALTH)
@@ -86,6 +93,8 @@ class WorkerApp:
         length = check_body_headers(headers)
         if self.draining():
             raise _Answer(503, "shutting down")
+        if self._warming_up():  # refused at once: nothing waits for the warmup
+            raise _Answer(503, WARMING_UP)
         self._check_capacity()  # full already: answered without reading the body
         refusal = self.body_reads.refusal(client, length)
         if refusal is not None:

@@ -46,3 +46,4 @@ class ServeSettings:
     threads: int | None
     full_warmup: bool
     limits: Settings
+    compile_cache: Path | None = None  # --compile-cache's directory; None: torch's own defaults
