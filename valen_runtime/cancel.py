@@ -13,8 +13,6 @@ import contextlib
 import threading
 from typing import Callable, Iterator
 
-import torch
-
 _local = threading.local()
 
 
@@ -53,5 +51,8 @@ def checkpoint() -> None:
 
 def _inside_traced_work() -> bool:
     # A CUDA graph being captured (or a function being compiled) must see the whole layer stack;
-    # the work then stops at the next checkpoint outside it.
+    # the work then stops at the next checkpoint outside it. (torch imported here: the serve CLI
+    # imports this module, and its option errors should not wait for torch.)
+    import torch
+
     return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

@@ -34,11 +34,7 @@ try:  # optional: about a third faster than Pillow on PNGs (docs/benchmarks.md, 
 except ImportError:
     pyspng = None
 
-# Wire limits of the /v1/systemone worker (docs/wire-contract.md).
-MAX_IMAGE_BYTES = 4 * 1024 * 1024
-MAX_PIXELS = 1_048_576
-MAX_SIDE = 2048
-MAX_ASPECT_RATIO = 200
+from .limits import MAX_ASPECT_RATIO, MAX_IMAGE_BYTES, MAX_PIXELS, MAX_SIDE  # noqa: F401  (the wire's, re-exported)
 
 _PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG"}
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, as preprocessor_config.json writes it

@@ -14,7 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPES = ("bf16", "fp32")
 MODES = ("per-branch", "shared-prefix")
@@ -73,7 +76,7 @@ class EngineOptions:
     calibration: str | None = None
 
     def __post_init__(self):
-        device = self.device if self.device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        device = self.device if self.device is not None else _default_device()
         if not isinstance(device, str) or not (device == "cpu" or device == "cuda" or _is_cuda_index(device)):
             raise ValueError(f"device {device!r} is not cpu, cuda or cuda:N")
         cuda = device.startswith("cuda")
@@ -137,6 +140,8 @@ class EngineOptions:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device)
 
     def to_json(self) -> dict:
@@ -161,7 +166,17 @@ def patch_gemm_matches_conv(dtype: str, device: str) -> bool:
     is off (torch's default is on, and the reference keeps it), while our matmuls keep TF32 off.
     On the H200 the GEMM left fp32 image answers up to 6e-5 from the reference (text ones within 1e-5).
     """
+    import torch
+
     return not (dtype == "fp32" and device.startswith("cuda") and torch.backends.cudnn.allow_tf32)
+
+
+def _default_device() -> str:
+    """cuda when torch sees a GPU, else cpu. torch is imported here, not with this module: the
+    command lines check their other options first, and an error there should not wait for torch."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _fla_available() -> bool:

@@ -39,15 +39,10 @@ from .errors import ConfigError, RequestError
 from .image import _BICUBIC, _rescale_and_normalize, pixel_fields
 from .tokenizer import Tokenizer
 
-# Wire limits for one video (proposals for the /v1/systemone worker; named so callers can pass others).
-MAX_VIDEO_BYTES = 16 * 1024 * 1024
-MAX_VIDEO_SECONDS = 60.0
-MAX_VIDEO_FRAMES = 3600
-MAX_VIDEO_FPS = 120.0
-MIN_FRAME_SIDE = 32  # the video smart_resize refuses a smaller side
-MAX_FRAME_SIDE = 2048
-MAX_FRAME_PIXELS = 1_048_576
-MAX_ASPECT_RATIO = 200
+from .limits import (  # noqa: F401  (the wire's, re-exported)
+    MAX_ASPECT_RATIO, MAX_FRAME_PIXELS, MAX_FRAME_SIDE, MAX_VIDEO_BYTES, MAX_VIDEO_FPS, MAX_VIDEO_FRAMES, MAX_VIDEO_SECONDS,
+    MIN_FRAME_SIDE,
+)
 
 # MIME subtype (data:video/<subtype>) -> the one libavformat demuxer allowed to read it. Never
 # let FFmpeg probe: its hls, concat and image2 demuxers open other files or URLs named inside.

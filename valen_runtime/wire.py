@@ -32,8 +32,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterable, Union
 
 from .errors import RequestError
-from .image import MAX_ASPECT_RATIO, MAX_IMAGE_BYTES, MAX_PIXELS, MAX_SIDE
-from .video import MAX_VIDEO_BYTES
+from .limits import MAX_ASPECT_RATIO, MAX_IMAGE_BYTES, MAX_PIXELS, MAX_SIDE, MAX_VIDEO_BYTES
 
 MODEL_NAME = "valen-preview-0923"
 MAX_BODY = 8 * 1024 * 1024

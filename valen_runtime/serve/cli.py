@@ -141,11 +141,20 @@ def settings_from_command_line(export_dir, host, port, device, dtype, mode, kern
                          full_warmup=full, limits=limits, compile_cache=compile_cache_module.resolve_dir(compile_cache))
 
 
+def _torch_logs_as_json_lines() -> None:
+    """torch gives its loggers their own plain-text stderr handler (no propagation), so a message
+    such as the C++ compiler's "No CUDA runtime is found" would break the one-JSON-line log:
+    they write through the root's JSON handler instead."""
+    logging.getLogger("torch").handlers[:] = logging.getLogger().handlers
+
+
 def _executor(settings: ServeSettings) -> Executor:
     """The executor for the export; started by main once the port listens."""
     import torch
 
     from ..engine import Engine
+
+    _torch_logs_as_json_lines()
 
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
