@@ -18,7 +18,9 @@ import numpy as np
 # x264's macroblock-tree rate control (mbtree) on these small frames gives other bytes once the
 # process has run torch CPU work (not with asm=0: an assembly routine reads memory it did not
 # write). It is off, with B-frames placed without the lookahead (b-adapt=0).
-ENCODER_OPTIONS = {"libaom-av1": {"cpu-used": "8"}, "libx265": {"x265-params": "log-level=none"},
+# x265 with B-frames gives a one-frame clip an unset decode timestamp (the MP4 muxer then refused
+# it now and then), so it runs without them.
+ENCODER_OPTIONS = {"libaom-av1": {"cpu-used": "8"}, "libx265": {"x265-params": "log-level=none:bframes=0"},
                    "libx264": {"x264-params": "b-adapt=0:mbtree=0"},
                    "libvpx": {"deadline": "realtime", "cpu-used": "-8"}, "libvpx-vp9": {"deadline": "realtime", "cpu-used": "8"}}
 # MIME subtype (data:video/<subtype>) -> PyAV's muxer name.
@@ -57,7 +59,8 @@ def encode_clip(container: str, codec: str, rate: int | Fraction, count: int, wi
     """An encoded clip of `count` frames_array frames at `rate` fps. container: a PyAV muxer
     ("mp4", "webm"); codec: a PyAV encoder ("libx264", "libvpx-vp9", ...); yuv420p, so even sides.
     first_pts < 0 (in frames; WebM) writes the first frames before time 0 unshifted, as some
-    recorders do. The same arguments give the same bytes (on one PyAV build)."""
+    recorders do. The same arguments give the same bytes (on one PyAV build), except for HEVC clips
+    of more than one frame, whose bytes x265 varies from run to run."""
     import av
 
     options = {**ENCODER_OPTIONS.get(codec, {}), **options}
