@@ -115,14 +115,12 @@ def _say(*parts) -> None:
 def build_inputs(out: Path, work: Path | None, preset: str) -> tuple:
     """(fixture, {lora: export dir}); under `work` only what is missing is built."""
     from valen_export.export import export
-    from valen_export.fixture import build_fixture
+    from valen_export.fixture import Fixture, build_fixture
 
     root = work if work is not None else out
     fx_dir = root / f"fixture-{preset}"
     if (fx_dir / "pins.json").exists():
-        from valen_export.fixture import Fixture
-
-        fx = Fixture(fx_dir, fx_dir / "base", fx_dir / "checkpoint", fx_dir / "pins.json")
+        fx = Fixture.at(fx_dir)
     else:
         fx = build_fixture(fx_dir, preset=preset, seed=0)
     exports = {}

@@ -129,7 +129,7 @@ def tiny_fixture(tmp_path_factory):
 
     with run_wide(tmp_path_factory, "fixture") as (directory, fill):
         out = directory / "tiny"
-        return build_fixture(out, preset="tiny", seed=0) if fill else Fixture(out, out / "base", out / "checkpoint", out / "pins.json")
+        return build_fixture(out, preset="tiny", seed=0) if fill else Fixture.at(out)
 
 
 @pytest.fixture(scope="session")

@@ -92,6 +92,11 @@ class Fixture:
     checkpoint: Path
     pins: Path
 
+    @classmethod
+    def at(cls, root: Path) -> "Fixture":
+        """The fixture build_fixture wrote (or will write) in `root`."""
+        return cls(root, root / "base", root / "checkpoint", root / "pins.json")
+
 
 def preset_config(preset: str, token_ids: dict) -> dict:
     """The base config.json for a preset, with the fixture tokenizer's special-token ids."""
@@ -359,4 +364,4 @@ def build_fixture(out: Path, preset: str = "tiny", seed: int = 0, rlcd: bool = F
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Fixture(out, out / "base", out / "checkpoint", out / "pins.json")
+    return Fixture.at(out)

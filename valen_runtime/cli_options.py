@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from .compile_cache import ENV_VAR as COMPILE_CACHE_ENV_VAR, default_dir as default_compile_cache_dir
 from .options import DTYPES, KERNELS, MODES, EngineOptions
 
 ENGINE_OPTION_NAMES = ("device", "dtype", "mode", "kernels", "graphs", "compile_")
@@ -57,13 +58,9 @@ def threads_option(help: str = "torch CPU threads (default: torch's, one per cor
     return click.option("--threads", type=click.IntRange(1, None), default=None, help=help)
 
 
-
-
 def compile_cache_option(command):
     """Adds --compile-cache (see compile_cache.py); its function receives compile_cache (a str or None)."""
-    from .compile_cache import ENV_VAR, default_dir
-
     return click.option(
         "--compile-cache", "compile_cache", default=None, metavar="DIR|none",
         help=f"Keep torch.compile's Inductor and Triton caches (and Triton's autotuning results) in DIR, so a restart "
-             f"reuses what an earlier process compiled; 'none' turns it off (default: ${ENV_VAR}, else {default_dir()}).")(command)
+             f"reuses what an earlier process compiled; 'none' turns it off (default: ${COMPILE_CACHE_ENV_VAR}, else {default_compile_cache_dir()}).")(command)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:

@@ -87,10 +87,6 @@ class Executor:
         self.progress.started = time.perf_counter()
         self._thread.start()
 
-    def wait_ready(self) -> None:
-        """Block until loaded and warm; raises what loading or warmup raised."""
-        self.ready.result()
-
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
