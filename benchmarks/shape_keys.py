@@ -10,6 +10,11 @@ the ratio).
 
     python benchmarks/shape_keys.py --export build/export-2b-separate [--variants 899] [--out keys.json]
     python benchmarks/shape_keys.py --work build/bench            # builds the tiny preset's exports there
+
+--serve-order N also replays the first N requests of `serve_load.py --new-shapes` (its mix, in its
+order) through the graph policy (`layouts.graph_plan`: a captured shape that holds a request
+serves it, else its first use captures one with headroom) and reports the graphs captured (each
+a slow request: warm-up run and capture) and the rows the served plans sweep against their own.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("build/bench"), help="where to build the tiny preset's exports without --export")
     ap.add_argument("--variants", type=int, default=899, help="lengths per kind (serve_load.new_shape)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--serve-order", type=int, default=0, metavar="N", help="replay serve_load's first N --new-shapes requests through the graph policy")
     args = ap.parse_args()
 
     from valen_runtime.config import ModelConfig
@@ -88,8 +94,33 @@ def main() -> None:
                  "rows_growth_median": round(statistics.median(growth) - 1, 4), "rows_growth_p95": round(growth[int(0.95 * (len(growth) - 1))] - 1, 4)}
         report["kinds"][name] = entry
         print(f"{name}: {entry}", flush=True)
+    if args.serve_order:
+        report["serve_order"] = serve_order(compiler, config, args.serve_order)
+        print(f"serve order: {report['serve_order']}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def serve_order(compiler, config, n: int) -> dict:
+    """serve_load's --new-shapes requests 0..n-1 (its default mix, in order) through `graph_plan`."""
+    from serve_load import KINDS, parse_mix
+
+    from valen_runtime.layouts import LAYOUTS, choose, graph_plan
+
+    requests, schedule = benchmark_requests(), parse_mix("text:3,image:1")
+    captured, captures, growth = [], {}, {}
+    for i in range(n):
+        kind = schedule[i % len(schedule)]
+        compiled = [compiler.compile(new_shape(requests[KINDS[kind]], i))]
+        plan = choose(compiled[0], config, "one-pass")
+        served = graph_plan(compiled, config, plan, captured)
+        if served.key not in captured:
+            captured.append(served.key)
+            captures[kind] = captures.get(kind, 0) + 1
+        layout = LAYOUTS[served.kind]
+        growth.setdefault(kind, []).append(layout.rows_swept(served.shape) / layout.rows_swept(plan.shape))
+    return {"requests": n, "graphs_captured": captures,
+            "rows_growth_mean": {k: round(statistics.mean(v) - 1, 4) for k, v in growth.items()}}
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 
 from .answers import answer_from_probabilities, batch_probabilities, response
 from .cancel import Cancelled
-from .layouts import LAYOUTS, Plan, choose, one_pass
+from .layouts import LAYOUTS, Plan, choose, graph_plan, one_pass
 from .options import EngineOptions
 from .positions import rope_index
 from .request import CompiledRequest, Compiler, ImageInputs, VideoInputs
@@ -299,6 +299,8 @@ class Engine:
     def execute_plan_many(self, compiled: list[CompiledRequest], plan: Plan,
                           features: list[torch.Tensor | None]) -> list[list[torch.Tensor]]:
         """A plan over one or several requests (in plan order): per request, per-question logits [K] fp32."""
+        if self.graphs is not None:  # a shape not captured yet runs padded into one that is, if one holds it
+            plan = graph_plan(compiled, self.model.config, plan, self.graphs.keys())
         inputs = plan.upload(self.model.device)  # one host-to-device copy of every index the requests need
         images = [f for f in features if f is not None]  # in request order, as the plan's image indices
         if images:

@@ -75,10 +75,9 @@ def test_a_cancelled_batch_is_not_rerun_request_by_request(engines, batch_reques
 
 @pytest.mark.gpu
 def test_cancelling_on_cuda_leaves_the_graph_cache_usable(tiny_export, short_request):
-    """On CUDA with graphs, as served (compiled): a run stopped on its shape's first use (run
-    directly) leaves the shape seen, a stop test that says stop throughout never cuts the next
-    use's warm-up and capture (shielded), and the engine then answers exactly as one that was
-    never cancelled, capture and replay alike."""
+    """On CUDA with graphs, as served (compiled): a run stopped in its shape's first use (in the
+    warm-up before the capture) captures nothing, and the engine then answers exactly as one that
+    was never cancelled, capture and replay alike."""
     from valen_runtime.engine import Engine
     from valen_runtime.options import EngineOptions
 
@@ -86,27 +85,33 @@ def test_cancelling_on_cuda_leaves_the_graph_cache_usable(tiny_export, short_req
     cancelled, untouched = (Engine.load(tiny_export["separate"], options) for _ in range(2))
     long_text = dict(short_request, state=" ".join(["the order was charged twice and the customer asked for a refund"] * 12))
     for request in (short_request, long_text):
-        _, captured, replayed = (untouched.run(request).response for _ in range(3))
-        with cancel.scope(lambda: True), pytest.raises(cancel.Cancelled):  # first use: run directly, stopped
+        captured, replayed = (untouched.run(request).response for _ in range(2))
+        graphs_before = len(cancelled.graphs)
+        with cancel.scope(lambda: True), pytest.raises(cancel.Cancelled):  # stopped in the warm-up
             cancelled.run(request)
-        with cancel.scope(lambda: True):  # second use: warm-up and capture shielded, then replayed
-            assert cancelled.run(request).response == captured
+        assert len(cancelled.graphs) == graphs_before
+        assert cancelled.run(request).response == captured
         assert cancelled.run(request).response == replayed
 
 
 def test_a_graph_capture_is_never_cut_by_a_cancelled_scope():
-    """GraphCache's second use of a key warms up and captures: a request abandoned meanwhile must not
-    cut that in half (the key would lose its graph, an older one already evicted). On the CPU, with
-    the capture replaced by a direct run and the first use's checkpoint counted."""
+    """GraphCache's first use of a key warms up, then captures: a stop during the warm-up leaves the
+    cache as it was (no graph evicted, none added); the capture itself is never cut in half (the
+    key would lose its graph, an older one already evicted). On the CPU, the warm-up and capture
+    replaced by direct runs, each passing a checkpoint."""
     import torch
 
     from valen_runtime.fast.graphs import GraphCache
 
     class CpuGraphs(GraphCache):
-        def _capture(self, key, fn, inputs):
-            out = fn(*inputs)
-            entry = self.graphs[key] = (type("Replay", (), {"replay": lambda self: None})(), list(inputs), out, fn)
-            return entry
+        stop_in_capture = False
+
+        def _warm_up(self, fn, static_in):
+            fn(*static_in)
+
+        def _record(self, fn, static_in):
+            self.stop_in_capture = True  # the stop test below says stop from here on
+            return type("Replay", (), {"replay": lambda self: None})(), fn(*static_in)
 
     graphs = CpuGraphs(pool="none on the CPU", max_graphs=1)
 
@@ -114,12 +119,14 @@ def test_a_graph_capture_is_never_cut_by_a_cancelled_scope():
         cancel.checkpoint()
         return (x + 1,)
 
-    x = torch.zeros(2)
-    with cancel.scope(lambda: True):
-        with pytest.raises(cancel.Cancelled):  # the first use runs directly: it stops
-            graphs.run("key", layer_stack, x)
-        graphs.run("key", layer_stack, x)  # the second captures: shielded, it completes
-    assert "key" in graphs
+    graphs.run("older", layer_stack, torch.zeros(1))
+    with cancel.scope(lambda: True), pytest.raises(cancel.Cancelled):  # stopped in the warm-up
+        graphs.run("key", layer_stack, torch.zeros(2))
+    assert list(graphs.keys()) == ["older"]  # nothing evicted, nothing added
+    graphs.stop_in_capture = False
+    with cancel.scope(lambda: graphs.stop_in_capture):  # stop says stop once the capture has begun
+        graphs.run("key", layer_stack, torch.zeros(2))
+    assert list(graphs.keys()) == ["key"]
     cancel.checkpoint()  # the shield ends with the capture
     with cancel.scope(lambda: True), pytest.raises(cancel.Cancelled):
         cancel.checkpoint()

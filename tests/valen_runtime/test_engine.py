@@ -323,17 +323,19 @@ def test_compiled_batches_cpu(tiny_export, batch_requests, roundoff_bound):
 
 
 def cpu_graphs():
-    """fast.graphs.GraphCache on the CPU with CUDA-graph replay semantics: its own policy (direct
-    first use, capture on the second, replays after) over a "capture" that keeps the function,
-    static inputs and outputs, and a replay that reruns the function on the static inputs and
-    writes into the static outputs, so stale buffers and aliasing show as they would on CUDA."""
+    """fast.graphs.GraphCache on the CPU with CUDA-graph replay semantics: its own policy (capture
+    on the first use, replays after) over a "capture" that keeps the function, static inputs and
+    outputs, and a replay that reruns the function on the static inputs and writes into the
+    static outputs, so stale buffers and aliasing show as they would on CUDA."""
     from valen_runtime.fast.graphs import GraphCache
 
     class CpuGraphs(GraphCache):
         captures = 0
 
-        def _capture(self, key, fn, inputs):
-            static_in = [t.clone() for t in inputs]
+        def _warm_up(self, fn, static_in):
+            fn(*static_in)
+
+        def _record(self, fn, static_in):
             static_out = fn(*static_in)
             self.captures += 1
 
@@ -342,8 +344,7 @@ def cpu_graphs():
                     for dst, src in zip(static_out, fn(*static_in)):
                         dst.copy_(src)
 
-            entry = self.graphs[key] = (Replay(), static_in, static_out, fn)
-            return entry
+            return Replay(), static_out
 
     return CpuGraphs(pool="no CUDA memory pool on the CPU")
 
@@ -402,7 +403,7 @@ def test_cuda_paths_agree_with_per_branch(tiny_export, short_request, long_image
             eng = Engine.load(tiny_export["separate"], EngineOptions(device="cuda", dtype=dtype, mode="shared-prefix", kernels=kernels, graphs=graphs))
             assert eng.options.compile == (kernels == "fast")
             for wire, base in zip(wires, bases):
-                for _ in range(3):  # graphs: run directly, capture, replay
+                for _ in range(3):  # graphs: capture, then replays
                     res = eng.run(wire)
                 # fp32: FLA/SDPA/fused layers reorder sums (TF32 off); bf16: per-branch vs
                 # shared-prefix chunking and the fast layers' rounding
@@ -506,7 +507,7 @@ def test_batched_one_pass_on_cuda_is_as_accurate_as_each_alone(tiny_export, batc
     export = tiny_export["separate"]
     fast = Engine.load(export, EngineOptions(device="cuda", dtype="bf16"))
     assert fast.batches and fast.graphs is not None and fast.fast.compiled and fast.kernels["gated_delta"].startswith("fla")
-    runs = [fast.run_many(batch_requests) for _ in range(3)]  # run directly, capture, replay
+    runs = [fast.run_many(batch_requests) for _ in range(3)]  # capture, then replays
     assert all(r.timings["batch"] == len(batch_requests) for r in runs[-1])
     for a, b in zip(runs[1], runs[2]):
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))

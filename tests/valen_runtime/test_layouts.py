@@ -4,6 +4,8 @@ reads), without running a model; `choose`; the shape ladder and its padding rule
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -313,13 +315,23 @@ def test_bucketed_plans_read_every_real_row_as_the_unbucketed_plan(setup, long_i
     """Random requests, alone or several in one plan: every size on a rung, and each real row holds
     the token and position the plan without buckets gives it; pad rows are read by no real row."""
     compiler, config = setup
-    base = {"image": long_image_request, "short": short_request,
-            "text": dict(short_request, state=" ".join(["an account of the order and its two charges"] * 7))}
-    compiled = [compiler.compile(variant(base[kind], words, extra)) for kind, words, extra in shapes]
+    compiled = [compiler.compile(variant(base_requests(long_image_request, short_request)[kind], words, extra)) for kind, words, extra in shapes]
     padded, plain = one_pass.build(compiled, config), one_pass.build(compiled, config, buckets=False)
     P, cut, T, C, n_visual, N, n, NT, L, S, prefixes = padded.shape
     assert all(bucket(x) == x for x in (P, cut + T, C, N, n, NT, S)) and (cut, n_visual, prefixes) == (plain.shape.cut, plain.shape.n_visual, plain.shape.prefixes)
     assert L == (bucket(L) if len(compiled) > 1 else cut + T)  # alone, attention runs over the whole row
+    assert_real_rows_as_plain(padded, plain)
+
+
+def base_requests(long_image_request, short_request) -> dict:
+    return {"image": long_image_request, "short": short_request,
+            "text": dict(short_request, state=" ".join(["an account of the order and its two charges"] * 7))}
+
+
+def assert_real_rows_as_plain(padded, plain) -> None:
+    """Each real row of the one-pass plan `padded` holds the token, position, sequence and offset
+    of the unpadded `plain` plan's; the head reads the same rows; no real row attends to a pad."""
+    P, cut, T, C, n_visual, N, n, NT, L, S, prefixes = padded.shape
 
     def rows(plan):  # per row: (token, positions, sequence, offset)
         x = plan.inputs
@@ -349,3 +361,90 @@ def test_bucketed_plans_read_every_real_row_as_the_unbucketed_plan(setup, long_i
     real_slot = ~pad_slot
     seen = mask == 0
     assert not (seen & real_slot[:, :, None] & pad_slot[:, None, :]).any()
+
+
+# ---- graph shapes: padding into a captured shape, and headroom -----------------------------
+
+from valen_runtime.layouts import graph_plan, rows  # noqa: E402
+from valen_runtime.layouts.ladder import fit_sequences  # noqa: E402
+
+
+@functools.lru_cache(maxsize=None)
+def pads_exist(k: int, rows_left: int, chunks_left: int) -> bool:
+    """Brute force: can k sequences of at least one row each hold exactly these rows and chunks?"""
+    if k == 0:
+        return rows_left == 0 and chunks_left == 0
+    return any(pads_exist(k - 1, rows_left - n, chunks_left - chunks(n)) for n in range(1, rows_left + 1) if chunks(n) <= chunks_left)
+
+
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=6), st.integers(0, 140), st.integers(0, 4), st.integers(0, 5))
+def test_fit_sequences_hits_the_sizes_exactly_or_says_none(lengths, extra_rows, extra_sequences, extra_chunks):
+    """Pads bringing continuations to exactly (rows, sequences, chunks), each pad at least one row;
+    None exactly when no such pads exist (brute force)."""
+    rows_, seqs, n_chunks = sum(lengths) + extra_rows, len(lengths) + extra_sequences, sum(chunks(x) for x in lengths) + extra_chunks
+    pads = fit_sequences(lengths, rows_, seqs, n_chunks)
+    exists = extra_sequences >= 1 and pads_exist(extra_sequences, extra_rows, extra_chunks)
+    assert (pads is not None) == exists, (lengths, extra_rows, extra_sequences, extra_chunks, pads)
+    if pads is not None:
+        assert len(pads) == extra_sequences and min(pads) >= 1 and sum(pads) == extra_rows and sum(chunks(x) for x in pads) == extra_chunks
+
+
+@given(st.sampled_from(["image", "text"]), st.integers(0, 40), st.integers(1, 30), st.booleans())
+def test_a_headroom_plan_holds_its_request_and_longer_neighbours_as_the_unbucketed_plan(setup, long_image_request, short_request,
+                                                                                        kind, words, more, extra):
+    """One-pass: the headroom plan of a request, and a request a few words longer padded into that
+    plan's shape when it fits (`pad_into`), read every real row as their unbucketed plans; the
+    headroom is one rung of rows and one more sequence, and a plan padded into a shape has it exactly."""
+    compiler, config = setup
+    base = base_requests(long_image_request, short_request)[kind]
+    compiled = [compiler.compile(variant(base, words, extra))]
+    plan = one_pass.build(compiled, config)
+    grown = one_pass.with_headroom(compiled, config, plan)
+    own, big = plan.shape, grown.shape
+    assert big.cut + big.T == bucket(own.cut + own.T + 1) and big.n == bucket(own.n + 1) and big.NT >= own.NT
+    assert_real_rows_as_plain(grown, one_pass.build(compiled, config, buckets=False))
+    assert one_pass.pad_into(compiled, config, plan, big).shape == big  # it holds itself
+    longer = [compiler.compile(variant(base, words + more, extra))]
+    longer_plan = one_pass.build(longer, config)
+    padded = one_pass.pad_into(longer, config, longer_plan, big)
+    if padded is not None:
+        assert padded.shape == big and longer_plan.shape.cut + longer_plan.shape.T <= big.cut + big.T
+        assert_real_rows_as_plain(padded, one_pass.build(longer, config, buckets=False))
+    # Never into a shape more than one rung of rows above its own, nor into one with other prefixes or images
+    assert one_pass.pad_into(compiled, config, plan, big._replace(T=bucket(bucket(big.cut + big.T + 1) + 1) - big.cut)) is None
+    assert one_pass.build(compiled, config, into=big._replace(n_visual=big.n_visual + 1)) is None
+
+
+def test_rows_pad_into_longer_rows_within_two_rungs(setup, short_request):
+    """Rows: a short state's request runs in a captured shape with the same branches and candidates
+    and rows up to two rungs longer; real tokens and positions are the unpadded ones, head rows
+    follow them."""
+    compiler, config = setup
+    compiled = compiler.compile(short_request)
+    plan = rows.build(compiled, config)
+    grown = rows.with_headroom([compiled], config, plan)
+    assert grown.shape._replace(L=plan.shape.L) == plan.shape and grown.shape.L > plan.shape.L
+    N, L = plan.shape.N, plan.shape.L
+    x, y = plan.inputs, grown.inputs
+    assert torch.equal(y.row_ids[:, :L], x.row_ids) and torch.equal(y.rows_pos[:, :, :L], x.rows_pos)
+    # head rows index the flattened [N * L]: the same (row, column) in the longer rows
+    C = plan.shape.C
+    assert torch.equal(y.head_index[: C + N] // grown.shape.L, x.head_index[: C + N] // L)
+    assert torch.equal(y.head_index[: C + N] % grown.shape.L, x.head_index[: C + N] % L)
+    assert rows.pad_into([compiled], config, plan, grown.shape).shape == grown.shape
+    too_long = grown.shape._replace(L=32 * bucket(grown.shape.L // 32 + 1))
+    assert rows.pad_into([compiled], config, plan, too_long) is None
+    assert rows.pad_into([compiled], config, plan, grown.shape._replace(C=plan.shape.C + 1)) is None
+
+
+def test_graph_plan_takes_the_own_key_then_the_cheapest_captured_holder_then_headroom(setup, long_image_request):
+    compiler, config = setup
+    compiled = [compiler.compile(long_image_request)]
+    plan = one_pass.build(compiled, config)
+    grown = one_pass.with_headroom(compiled, config, plan)
+    assert graph_plan(compiled, config, plan, []).key == grown.key  # nothing captured: headroom
+    assert graph_plan(compiled, config, plan, [plan.key, grown.key]) is plan  # its own key
+    assert graph_plan(compiled, config, plan, [("rows", 1, 64, 2, 0), grown.key]).key == grown.key  # a holder of its layout
+    longer = [compiler.compile(variant(long_image_request, 30, True))]
+    far = one_pass.with_headroom(longer, config, one_pass.build(longer, config))
+    assert graph_plan(compiled, config, plan, [far.key, grown.key]).key == grown.key  # the cheaper holder first

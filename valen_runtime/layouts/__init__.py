@@ -19,7 +19,7 @@ key), `build` (the host side, with its own padding) and `forward` (the device si
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Iterable, NamedTuple, Protocol
 
 import torch
 
@@ -30,7 +30,7 @@ from .common import CHUNK, Plan
 from .ladder import bucket, pad_head_rows, pad_sequences
 from .one_pass import OnePass, packed_indices
 
-__all__ = ["CHUNK", "LAYOUTS", "Layout", "OnePass", "Plan", "batch", "bucket", "choose", "one_pass", "packed_indices",
+__all__ = ["CHUNK", "LAYOUTS", "Layout", "OnePass", "Plan", "batch", "bucket", "choose", "graph_plan", "one_pass", "packed_indices",
            "pad_head_rows", "pad_sequences", "rows"]
 
 
@@ -42,6 +42,12 @@ class Layout(Protocol):
     Shape: type[NamedTuple]
 
     def forward(self, text, head, shape: NamedTuple, inputs: NamedTuple) -> tuple[torch.Tensor]: ...
+
+    def rows_swept(self, shape: NamedTuple) -> int: ...
+
+    def pad_into(self, requests: list[CompiledRequest], config: ModelConfig, plan: Plan, shape: NamedTuple) -> Plan | None: ...
+
+    def with_headroom(self, requests: list[CompiledRequest], config: ModelConfig, plan: Plan) -> Plan: ...
 
 
 LAYOUTS: dict[str, Layout] = {rows.name: rows, batch.name: batch, one_pass.name: one_pass}
@@ -57,3 +63,23 @@ def choose(compiled: CompiledRequest, config: ModelConfig, prefix_layout: str) -
     if cut == 0:
         return rows.build(compiled, config)
     return batch.build(compiled, config)
+
+
+def graph_plan(requests: list[CompiledRequest], config: ModelConfig, plan: Plan, captured: Iterable[tuple]) -> Plan:
+    """The plan a CUDA graph runs, given the keys of the graphs `captured` so far: `plan` itself when
+    its key is among them; else `plan` padded into the captured shape of its layout that sweeps the
+    fewest rows and holds it within the layout's bound (`pad_into`: served by a replay); else `plan`
+    with the layout's headroom (`with_headroom`), whose graph, captured on this first use, then
+    serves its neighbours on the ladder. A request's real rows compute the same function in any of
+    them (pads are read by no real row); kernels sized for more rows may round differently."""
+    captured = list(captured)
+    if plan.key in captured:
+        return plan
+    layout = LAYOUTS[plan.kind]
+    shapes = [layout.Shape(*key[1:]) for key in captured if key[0] == plan.kind]
+    for shape in sorted(shapes, key=layout.rows_swept):
+        padded = layout.pad_into(requests, config, plan, shape)
+        if padded is not None:
+            return padded
+    return layout.with_headroom(requests, config, plan)
+

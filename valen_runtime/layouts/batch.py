@@ -58,6 +58,19 @@ def build(compiled: CompiledRequest, config: ModelConfig) -> Plan:
     return Plan(name, inputs, Shape(P, cut, N, L, C, len(images)), [len(br.candidate_positions) for br in branches], [N])
 
 
+def rows_swept(shape: Shape) -> int:
+    """The rows a plan of this shape sweeps through the layers (what it costs)."""
+    return shape.cut + shape.N * shape.L
+
+def pad_into(requests: list[CompiledRequest], config: ModelConfig, plan: Plan, shape: Shape) -> None:
+    """No ladder: a batch plan runs on a graph of its own shape only."""
+    return None
+
+
+def with_headroom(requests: list[CompiledRequest], config: ModelConfig, plan: Plan) -> Plan:
+    return plan
+
+
 def forward(text, head, shape: Shape, inputs: Inputs) -> tuple[torch.Tensor]:
     """The prefix once into a cache, then the branches as one batch from it -> (logits [C] fp32,)."""
     cut, N, L, C = shape.cut, shape.N, shape.L, shape.C

@@ -58,6 +58,17 @@ def pad_sequences(lengths: list[int], prefix_rows: int = 0) -> list[int]:
     return [8 - rows % 8]
 
 
+def fit_sequences(lengths: list[int], rows: int, sequences: int, n_chunks: int) -> list[int] | None:
+    """Pad sequences that bring the packed continuations `lengths` to exactly `rows` rows,
+    `sequences` sequences and `n_chunks` 64-token chunks (a captured graph's sizes), or None when
+    no such pads exist: at least one pad sequence, each at least one row, and k of them with c
+    chunks in all hold between 64 (c - k) + k and 64 c rows."""
+    r, k, c = rows - sum(lengths), sequences - len(lengths), n_chunks - sum(chunks(n) for n in lengths)
+    if k < 1 or k > c or not CHUNK * (c - k) + k <= r <= CHUNK * c:
+        return None
+    return _pad_lengths(r, k, c)
+
+
 def _pad_lengths(rows: int, k: int, n_chunks: int) -> list[int]:
     """k lengths summing to `rows` whose 64-token chunks sum to `n_chunks` (k <= n_chunks,
     64 (n_chunks - k) + k <= rows <= 64 n_chunks): the first takes the extra chunks."""
@@ -72,11 +83,13 @@ def _pad_lengths(rows: int, k: int, n_chunks: int) -> list[int]:
     return lengths
 
 
-def pad_head_rows(head_index: torch.Tensor, C: int, N: int) -> tuple[torch.Tensor, int, int]:
+def pad_head_rows(head_index: torch.Tensor, C: int, N: int, into: tuple[int, int] | None = None) -> tuple[torch.Tensor, int, int]:
     """`common.head_rows`' [candidates (C) | decisions (N) | branch of each candidate (C)] with C
-    and N brought to rungs of `bucket`: pad candidates read row 0 against branch 0 and pad
-    decisions row 0; their logits follow the real C and are dropped. -> (head index, C', N')."""
-    Cb, Nb = bucket(C), bucket(N)
+    and N brought to rungs of `bucket` (or to `into`'s (C', N'), at least C and N): pad candidates
+    read row 0 against branch 0 and pad decisions row 0; their logits follow the real C and are
+    dropped. -> (head index, C', N')."""
+    Cb, Nb = into if into is not None else (bucket(C), bucket(N))
+    assert Cb >= C and Nb >= N, (C, N, into)
     zeros = head_index.new_zeros
     padded = torch.cat([head_index[:C], zeros(Cb - C), head_index[C : C + N], zeros(Nb - N), head_index[C + N :], zeros(Cb - C)])
     return padded, Cb, Nb

@@ -28,7 +28,7 @@ import torch
 from ..config import ModelConfig
 from ..request import CompiledRequest
 from .common import CHUNK, Plan, branches_of, head_logits, head_rows, visual_index, state_embeds, state_positions
-from .ladder import bucket, pad_head_rows, pad_sequences
+from .ladder import bucket, fit_sequences, pad_head_rows, pad_sequences
 
 name = "one-pass"
 
@@ -80,10 +80,12 @@ class Shape(NamedTuple):
     prefixes: tuple  # each request's prefix rows
 
 
-def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = True) -> Plan:
+def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = True, into: Shape | None = None) -> Plan | None:
     """The one-pass plan for one or several requests, swept through the layers together:
     [each request's prefix, back to back | every branch's continuation of every request, packed |
-    pad sequences]. buckets: pad to the ladder (the module's docstring); off, no rung padding."""
+    pad sequences]. buckets: pad to the ladder (the module's docstring); off, no rung padding.
+    into: pad to this shape instead (a captured graph's, at least the ladder's), or return None
+    when the requests do not fit it (other prefixes or image tokens, or more of any size)."""
     K = config.text_config.linear_conv_kernel_dim
     state_ids, suffix_ids, images = [], [], []
     prefix_sources, prefix_pos, cont_sources, cont_pos = [], [], [], []
@@ -115,7 +117,15 @@ def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = 
         state_offset += P
     pad_id = requests[-1].questions[0].branches[0].suffix_ids[-1]
     real_lengths = [n for _, lengths in groups for n in lengths]
-    if buckets:
+    if into is not None:
+        n_visual = sum(len(i) for i in images)
+        if (into.cut, into.prefixes, into.n_visual) != (sum(cut for cut, _ in groups), tuple(cut for cut, _ in groups), n_visual) \
+                or into.P < len(state_ids) or into.C < sum(cand_counts) or into.N < len(cand_counts):
+            return None
+        pads = fit_sequences(real_lengths, into.T, into.n, into.NT)
+        if pads is None or into.S < len(suffix_ids) + sum(pads):
+            return None
+    elif buckets:
         pads = pad_sequences(real_lengths, prefix_rows=sum(cut for cut, _ in groups))
     else:
         pads = [-sum(real_lengths) % 8] if sum(real_lengths) % 8 else []
@@ -126,7 +136,10 @@ def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = 
         cont_sources.append(-1 - torch.arange(len(suffix_ids), len(suffix_ids) + pad))
         cont_pos.append(torch.arange(0, pad).view(1, -1).expand(3, -1))
         suffix_ids += [pad_id] * pad
-    if buckets:  # token tables on rungs too: the extra entries are read by no row
+    if into is not None:  # the token tables at the shape's lengths: the extra entries are read by no row
+        state_ids += [pad_id] * (into.P - len(state_ids))
+        suffix_ids += [pad_id] * (into.S - len(suffix_ids))
+    elif buckets:  # token tables on rungs too
         state_ids += [pad_id] * (bucket(len(state_ids)) - len(state_ids))
         suffix_ids += [pad_id] * (bucket(len(suffix_ids)) - len(suffix_ids))
     # Suffix token i sits at n_state + i of [states | suffixes]; it was written as -1 - i above.
@@ -144,18 +157,55 @@ def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = 
     all_branches = [br for branches in branch_lists for br in branches]
     head_index, C = head_rows(all_branches, starts, firsts)
     N = len(all_branches)
-    if buckets:
+    if into is not None:
+        head_index, C, N = pad_head_rows(head_index, C, N, into=(into.C, into.N))
+    elif buckets:
         head_index, C, N = pad_head_rows(head_index, C, N)
     images = torch.cat(images)
     cont_lengths = [n for _, lengths in groups for n in lengths]
     # Attention runs per request over L rows when there are several (fast.layers); alone, over the row.
     L = max(cut + sum(lengths) for cut, lengths in groups)
-    attention_length = bucket(L) if buckets and len(groups) > 1 else L
+    if into is not None:
+        if into.L < L:
+            return None
+        attention_length = into.L
+    else:
+        attention_length = bucket(L) if buckets and len(groups) > 1 else L
     layout = packed_indices(groups, K, attention_length=attention_length)
     shape = Shape(n_state, total_cut, sum(cont_lengths), C, len(images), N, len(cont_lengths), len(layout.chunk_indices), attention_length,
                   len(suffix_ids), tuple(cut for cut, _ in groups))
+    assert into is None or shape == into, (shape, into)
     inputs = Inputs(torch.tensor([state_ids]), torch.tensor(suffix_ids, dtype=torch.int64), source, rows_pos, images, head_index, layout)
     return Plan(name, inputs, shape, cand_counts, branch_counts)
+
+
+def rows_swept(shape: Shape) -> int:
+    """The rows a plan of this shape sweeps through the layers (what it costs)."""
+    return shape.cut + shape.T
+
+def pad_into(requests: list[CompiledRequest], config: ModelConfig, plan: Plan, shape: Shape) -> Plan | None:
+    """`plan`'s requests padded into a captured graph's `shape` when it sweeps at most one rung more
+    rows (at most an eighth more work), else None."""
+    own = plan.shape
+    if shape.cut + shape.T > bucket(own.cut + own.T + 1):
+        return None
+    return build(requests, config, into=shape)
+
+
+def with_headroom(requests: list[CompiledRequest], config: ModelConfig, plan: Plan) -> Plan:
+    """`plan` one rung of rows larger, with one more pad sequence and the fewest chunks that fit,
+    so the graph captured for it serves requests whose questions are a little longer (more rows,
+    and branches crossing into another chunk: `pad_into`). `plan` itself when nothing fits."""
+    own = plan.shape
+    T = bucket(own.cut + own.T + 1) - own.cut
+    n = bucket(own.n + 1)
+    S = bucket(own.S + T - own.T)
+    for NT in range(own.NT, own.NT + n + -(-(T - own.T) // CHUNK) + 1):
+        if bucket(NT) == NT:
+            grown = build(requests, config, into=own._replace(T=T, n=n, NT=NT, S=S, L=own.L + T - own.T))
+            if grown is not None:
+                return grown
+    return plan
 
 
 def packed_indices(groups: list[tuple[int, list[int]]], K: int, attention_length: int | None = None) -> OnePass:

@@ -38,13 +38,20 @@ class Shape(NamedTuple):
     n_visual: int  # image or video tokens of one row
 
 
-def build(compiled: CompiledRequest, config: ModelConfig) -> Plan:
+def build(compiled: CompiledRequest, config: ModelConfig, into: Shape | None = None) -> Plan | None:
+    """The rows plan, its sizes on the ladder; into: padded to this shape instead (a captured
+    graph's), or None when the request does not fit it (other image tokens, or more of any size)."""
     st = compiled.state
     branches = branches_of(compiled)
-    positions, next_pos = state_positions(compiled, config)
     P = len(st.input_ids)
     N = bucket(len(branches))
     L = 32 * bucket(-(-(P + max(len(br.suffix_ids) for br in branches)) // 32))
+    if into is not None:
+        C = sum(len(br.candidate_positions) for br in branches)
+        if into.N < N or into.L < L or into.C < C or into.n_visual != sum(t != 0 for t in st.mm_token_type_ids):
+            return None
+        N, L = into.N, into.L
+    positions, next_pos = state_positions(compiled, config)
     pad_id = branches[0].suffix_ids[-1]
     suffixes = [br.suffix_ids for br in branches] + [[]] * (N - len(branches))
     row_ids = torch.tensor([st.input_ids + s + [pad_id] * (L - P - len(s)) for s in suffixes])  # [N, L]
@@ -52,10 +59,38 @@ def build(compiled: CompiledRequest, config: ModelConfig) -> Plan:
                          dim=2)  # [3, N, L]
     images = (visual_index(compiled)[None, :] + L * torch.arange(N)[:, None]).reshape(-1)  # every row's copy [N * n_visual]
     head_index, C = head_rows(branches, [k * L for k in range(len(branches))], [0] * len(branches))
-    head_index, C, N_head = pad_head_rows(head_index, C, len(branches))
+    head_index, C, N_head = pad_head_rows(head_index, C, len(branches), into=(into.C, N) if into is not None else None)
     assert N_head == N
-    return Plan(name, Inputs(row_ids, rows_pos, images, head_index), Shape(N, L, C, len(images) // N),
-                [len(br.candidate_positions) for br in branches], [len(branches)])
+    shape = Shape(N, L, C, len(images) // N)
+    assert into is None or shape == into, (shape, into)
+    return Plan(name, Inputs(row_ids, rows_pos, images, head_index), shape, [len(br.candidate_positions) for br in branches], [len(branches)])
+
+
+def _two_rungs_up(L: int) -> int:
+    """The row length two rungs above L (in 32-token units): 64 -> 128, 128 -> 192, 512 -> 640."""
+    for _ in range(2):
+        L = 32 * bucket(L // 32 + 1)
+    return L
+
+
+def rows_swept(shape: Shape) -> int:
+    """The rows a plan of this shape sweeps through the layers (what it costs)."""
+    return shape.N * shape.L
+
+def pad_into(requests: list[CompiledRequest], config: ModelConfig, plan: Plan, shape: Shape) -> Plan | None:
+    """`plan`'s request padded into a captured graph's `shape`: the same branches and candidates
+    and rows at most two rungs longer (a short state's rows are launch-bound: longer rows cost
+    little next to a capture), else None."""
+    own = plan.shape
+    if (shape.N, shape.C) != (own.N, own.C) or not own.L <= shape.L <= _two_rungs_up(own.L):
+        return None
+    return build(requests[0], config, into=shape)
+
+
+def with_headroom(requests: list[CompiledRequest], config: ModelConfig, plan: Plan) -> Plan:
+    """`plan` with rows two rungs longer, so the graph captured for it serves requests whose
+    questions are a little longer too (`pad_into`)."""
+    return build(requests[0], config, into=plan.shape._replace(L=_two_rungs_up(plan.shape.L)))
 
 
 def forward(text, head, shape: Shape, inputs: Inputs) -> tuple[torch.Tensor]:

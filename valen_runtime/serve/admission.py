@@ -144,30 +144,24 @@ class Executor:
                             "kernels": dict(engine.kernels), "cuda_graphs": engine.graphs is not None,
                             "max_batch": self.max_batch if batches else 1}
         t1 = time.perf_counter()
-        # CUDA graphs capture a shape on its second use (fast/graphs.py): run everything twice.
-        passes = 2 if engine.graphs is not None else 1
+        # One pass: on CUDA each step's first use compiles (and autotunes) and captures its graphs.
         groups = warmup_batches(self._warmup, self.max_batch) if batches else []
         steps = [("request", request) for request in self._warmup] + [("batch", group) for group in groups]
-        progress.total, progress.stage = passes * len(steps), "warmup"
+        progress.total, progress.stage = len(steps), "warmup"
         log.info({"event": "loaded", "load_s": round(t1 - t0, 3), "warmup_steps": progress.total})
-        pass_s = []
-        for _ in range(passes):
-            pass_started = time.perf_counter()
-            for kind, step in steps:
-                step_started = time.perf_counter()
-                if kind == "request":
-                    engine.run(step)
-                else:
-                    for result in engine.run_many(step):
-                        if isinstance(result, Exception):
-                            raise result
-                progress.done += 1
-                now = time.perf_counter()
-                log.info({"event": "warmup", "done": progress.done, "total": progress.total,
-                          "step_s": round(now - step_started, 3), "elapsed_s": round(now - progress.started, 3)})
-            pass_s.append(round(time.perf_counter() - pass_started, 3))
-        # The first pass compiles (and autotunes); a second one captures the CUDA graphs.
-        self.timings = {"load_s": round(t1 - t0, 3), "warmup_s": round(time.perf_counter() - t1, 3), "warmup_passes_s": pass_s}
+        for kind, step in steps:
+            step_started = time.perf_counter()
+            if kind == "request":
+                engine.run(step)
+            else:
+                for result in engine.run_many(step):
+                    if isinstance(result, Exception):
+                        raise result
+            progress.done += 1
+            now = time.perf_counter()
+            log.info({"event": "warmup", "done": progress.done, "total": progress.total,
+                      "step_s": round(now - step_started, 3), "elapsed_s": round(now - progress.started, 3)})
+        self.timings = {"load_s": round(t1 - t0, 3), "warmup_s": round(time.perf_counter() - t1, 3)}
         return engine, batches
 
     def _take(self, most: int, block: bool) -> list:
