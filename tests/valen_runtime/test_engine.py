@@ -421,7 +421,9 @@ def test_compiled_one_pass_is_as_accurate_as_per_branch_cuda(tiny_export, long_i
 @gpu
 def test_graph_replay_is_bitwise_equal_to_direct_execution(tiny_export, short_request, long_image_request, request):
     """Requests' forwards and their vision towers, an image's and a video's (t > 1 frame pairs:
-    a grid key of its own), captured and replayed compute the direct run's bits."""
+    a grid key of its own), captured and replayed compute the bits of a direct run of the plan the
+    graph runs (`layouts.graph_plan`: the request padded into a captured shape, or with headroom)."""
+    from valen_runtime.layouts import graph_plan
     from valen_runtime.vision import grid_list
 
     pytest.importorskip("av", reason="PyAV decodes the video request")
@@ -430,19 +432,22 @@ def test_graph_replay_is_bitwise_equal_to_direct_execution(tiny_export, short_re
     direct = Engine.load(tiny_export["separate"], EngineOptions(**options, graphs=False))
     graphed = Engine.load(tiny_export["separate"], EngineOptions(**options, graphs=True))
     requests = (short_request, long_image_request, video_request)
+    served_keys = set()
     for wire in requests:
-        want = direct.run(wire).logits
-        for _ in range(3):
+        compiled, features = direct.prepare(wire)
+        served = graph_plan([compiled], direct.model.config, direct.plan(compiled), graphed.graphs.keys())
+        want = direct.execute_plan(compiled, served, features)
+        served_keys.add(served.key)
+        for _ in range(3):  # capture, then replays
             got = graphed.run(wire).logits
             for a, b in zip(want, got):
                 assert torch.equal(a, b)
     compiled = [graphed.compiler.compile(r) for r in requests]
     video_grid = grid_list(compiled[2].state.video_grid_thw)
     assert video_grid[0][0] > 1  # several frame pairs in one tower call
-    # the three forwards (distinct plan keys unless two share a shape bucket) and the two towers
+    # the three forwards (distinct keys unless one's graph holds another) and the two towers
     towers = {("vision", tuple(grid_list(compiled[1].state.image_grid_thw))), ("vision", tuple(video_grid))}
-    keys = {graphed.plan(c).key for c in compiled} | towers
-    assert set(graphed.graphs.graphs) == keys
+    assert set(graphed.graphs.graphs) == served_keys | towers
     video_inputs = compiled[2].state.vision_inputs
     assert torch.equal(graphed.vision_features(video_inputs), direct.vision_features(video_inputs))  # a replay of its graph
     captured = len(graphed.graphs)
