@@ -187,8 +187,11 @@ def pad_into(requests: list[CompiledRequest], config: ModelConfig, plan: Plan, s
     """`plan`'s requests padded into a captured graph's `shape` when it sweeps at most one rung more
     rows (at most an eighth more work), else None."""
     own = plan.shape
-    if shape.cut + shape.T > bucket(own.cut + own.T + 1):
-        return None
+    if not own.cut + own.T <= shape.cut + shape.T <= bucket(own.cut + own.T + 1) \
+            or (shape.cut, shape.prefixes, shape.n_visual) != (own.cut, own.prefixes, own.n_visual) \
+            or shape.C < sum(plan.candidates_per_branch) or shape.N < len(plan.candidates_per_branch) \
+            or shape.n <= len(plan.candidates_per_branch):  # a continuation per branch, and a pad
+        return None  # checked before `build`'s host work: most captured shapes fail here
     return build(requests, config, into=shape)
 
 
