@@ -436,10 +436,11 @@ def test_graph_replay_is_bitwise_equal_to_direct_execution(tiny_export, short_re
     for wire in requests:
         compiled, features = direct.prepare(wire)
         served = graph_plan([compiled], direct.model.config, direct.plan(compiled), graphed.graphs.keys())
-        want = direct.execute_plan(compiled, served, features)
+        want = [logits.cpu() for logits in direct.execute_plan(compiled, served, features)]
         served_keys.add(served.key)
         for _ in range(3):  # capture, then replays
-            got = graphed.run(wire).logits
+            got = graphed.run(wire).logits  # host tensors
+            assert len(got) == len(want)
             for a, b in zip(want, got):
                 assert torch.equal(a, b)
     compiled = [graphed.compiler.compile(r) for r in requests]
