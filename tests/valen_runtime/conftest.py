@@ -1,9 +1,13 @@
-"""Requests shared by the engine-level tests (valen_runtime/test_engine.py, test_layouts.py)."""
+"""Requests shared by the engine-level tests (valen_runtime/test_engine.py, test_layouts.py), and
+the valen-serve process the serve tests start."""
 
 from __future__ import annotations
 
 import base64
 import io
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -99,3 +103,30 @@ def assert_truth_relative():
             assert worst <= bound, (worst, bound, E)
 
     return check
+
+
+def start_serve(*args: str, script: str | None = None, stdin=subprocess.DEVNULL, env: dict | None = None,
+                sighup=signal.SIG_DFL) -> subprocess.Popen:
+    """`python -m valen_runtime.serve ARGS` (or `python -c SCRIPT ARGS`), stderr piped as text, with
+    SIGHUP (`sighup`) and SIGINT at their default actions, as under a terminal. An ignored signal
+    stays ignored across exec: in a suite run under nohup (SIGHUP) or in pytest-xdist's workers
+    (SIGINT) the worker would rightly keep ignoring it, and a test that stops it so would wait forever."""
+
+    def terminal_signals() -> None:
+        signal.signal(signal.SIGHUP, sighup)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    program = ["-c", script] if script is not None else ["-m", "valen_runtime.serve"]
+    return subprocess.Popen([sys.executable, *program, *args], stdin=stdin, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=terminal_signals)
+
+
+def rest_of_stderr(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """What `proc` writes to stderr until it exits, within `timeout` seconds; past it the process
+    is killed and the test fails (a worker that did not stop must not hang the suite)."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rest = proc.communicate()[1]
+        pytest.fail(f"valen-serve did not exit within {timeout} s of being stopped; its stderr ends: {rest[-2000:]}")

@@ -27,6 +27,8 @@ from click.testing import CliRunner
 
 from valen_runtime.wire import MAX_BODY, MAX_IMAGE_BYTES, MAX_TEXT, MAX_VIDEO_BODY, encode_response, response_body
 
+from .conftest import rest_of_stderr, start_serve
+
 MODEL = "valen-preview-0923"
 HEALTH = {"status": "ready", "model": MODEL, "modality": "multimodal"}
 READ_TIMEOUT = 3.0  # the module server's --read-timeout: short, yet long enough to hold requests open on 2 busy cores
@@ -45,8 +47,7 @@ class Worker:
         self.tmpdir = tmp_path / "tmpdir"  # TMPDIR of the server: request-scoped files would land here
         self.tmpdir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, TMPDIR=str(self.tmpdir), PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(export), "--port", "0", "--device", device, *options]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.proc = start_serve("--export", str(export), "--port", "0", "--device", device, *options, env=env)
         self.lines: list[dict] = []
         self.raw_lines: list[str] = []
         self._changed = threading.Condition()
@@ -694,21 +695,18 @@ def test_startup_refuses_a_damaged_export_and_a_taken_port(tiny_export, tmp_path
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_stop_signal_while_loading_exits_0_at_once(tiny_export, tmp_path, signum):
-    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start_serve("--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu")
     first = proc.stderr.readline()  # the "loading" line comes before the export is read
     assert json.loads(first)["event"] == "loading", first
     proc.send_signal(signum)
-    rest = proc.stderr.read()
-    assert proc.wait(timeout=60) == 0, rest
+    rest = rest_of_stderr(proc)
+    assert proc.returncode == 0, rest
     assert '"event": "stopped"' in rest and '"event": "ready"' not in rest and "Traceback" not in rest, rest
 
 
 def test_under_nohup_sighup_neither_stops_loading_nor_the_ready_worker(tiny_export, tmp_path):
     """nohup ignores SIGHUP so that a worker outlives its terminal: valen-serve keeps it ignored."""
-    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    proc = start_serve("--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu", sighup=signal.SIG_IGN)
     try:
         assert json.loads(proc.stderr.readline())["event"] == "loading"
         proc.send_signal(signal.SIGHUP)  # while loading
@@ -721,8 +719,8 @@ def test_under_nohup_sighup_neither_stops_loading_nor_the_ready_worker(tiny_expo
         assert status == 200 and proc.poll() is None, body
     finally:
         proc.send_signal(signal.SIGTERM)
-        rest = proc.stderr.read()
-        assert proc.wait(timeout=60) == 0 and '"event": "stopped"' in rest, rest
+        rest = rest_of_stderr(proc)
+        assert proc.returncode == 0 and '"event": "stopped"' in rest, rest
 
 
 # The worker with its loading, and then its first warmup step, each held until a line comes on stdin.
@@ -757,8 +755,7 @@ def test_health_reports_loading_and_warmup_progress_and_requests_are_503_until_r
     """The worker listens before it loads: while loading and warming up /health is 503 with how far
     warmup has got (answered beside the busy executor thread) and requests are refused at once; one
     log line per warmup step; then exactly the ready worker."""
-    cmd = [sys.executable, "-c", GATED_WORKER, "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start_serve("--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu", script=GATED_WORKER, stdin=subprocess.PIPE)
 
     def next_event(name: str) -> dict:
         for line in proc.stderr:
@@ -798,15 +795,13 @@ def test_health_reports_loading_and_warmup_progress_and_requests_are_503_until_r
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-        rest = proc.stderr.read()
-        proc.stdin.close()
-    assert proc.wait(timeout=60) == 0 and '"event": "stopped"' in rest and "Traceback" not in rest, rest
+        rest = rest_of_stderr(proc)  # closes stdin
+    assert proc.returncode == 0 and '"event": "stopped"' in rest and "Traceback" not in rest, rest
 
 
 def test_a_stop_signal_while_warming_up_exits_0_at_once(tiny_export):
     """The executor thread is inside its first warmup step (held): the signal does not wait for it."""
-    cmd = [sys.executable, "-c", GATED_WORKER, "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start_serve("--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu", script=GATED_WORKER, stdin=subprocess.PIPE)
     try:
         assert json.loads(proc.stderr.readline())["event"] == "loading"
         proc.stdin.write("\n")  # loading may finish; the first warmup step then waits
@@ -814,8 +809,8 @@ def test_a_stop_signal_while_warming_up_exits_0_at_once(tiny_export):
         while json.loads(proc.stderr.readline()).get("event") != "loaded":
             assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
-        rest = proc.stderr.read()
-        assert proc.wait(timeout=30) == 0, rest
+        rest = rest_of_stderr(proc, 30)
+        assert proc.returncode == 0, rest
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -18,6 +18,8 @@ import pytest
 from valen_runtime.errors import ValenError
 from valen_runtime.serve.cli import _error_line, _StopSignals
 
+from .conftest import rest_of_stderr, start_serve
+
 SCRIPT = """
 import logging, warnings
 import torch
@@ -64,15 +66,14 @@ def test_a_stop_signal_once_the_executor_is_warm_asks_the_server_to_drain():
 def test_a_stop_signal_right_at_the_ready_line_drains_and_exits_0(tiny_export, signum):
     """The signal arrives as the ready line is read, before uvicorn has installed its own handlers:
     the worker still stops gracefully (exit 0, a `stopped` line), not by the signal's default action."""
-    cmd = [sys.executable, "-m", "valen_runtime.serve", "--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu"]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start_serve("--export", str(tiny_export["separate"]), "--port", "0", "--device", "cpu")
     try:
         for line in proc.stderr:
             if json.loads(line).get("event") == "ready":
                 proc.send_signal(signum)
                 break
-        rest = proc.stderr.read()
-        assert proc.wait(timeout=60) == 0, rest
+        rest = rest_of_stderr(proc)
+        assert proc.returncode == 0, rest
     finally:
         if proc.poll() is None:
             proc.kill()
