@@ -10,6 +10,7 @@ import fcntl
 import os
 import platform
 import shutil
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -28,6 +29,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The workers and CLIs the tests start keep their compile caches in the system's temporary
+# directory, beside inductor's own default, not in the user's ~/.cache/valen (the default of
+# --compile-cache); the tests of that default set their own environment.
+os.environ.setdefault("VALEN_COMPILE_CACHE", os.path.join(tempfile.gettempdir(), f"valen-tests-compile-cache-{os.getuid()}"))
 
 
 def _v(dist: str) -> str:
