@@ -14,7 +14,8 @@ the ratio).
 --serve-order N also replays the first N requests of `serve_load.py --new-shapes` (its mix, in its
 order) through the graph policy (`layouts.graph_plan`: a captured shape that holds a request
 serves it, else its first use captures one with headroom) and reports the graphs captured (each
-a slow request: warm-up run and capture) and the rows the served plans sweep against their own.
+a slow request: warm-up run and capture), the rows the served plans sweep against their own, and
+the host time per request of its own plan and of graph_plan on it (median and p99, ms).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -109,18 +111,29 @@ def serve_order(compiler, config, n: int) -> dict:
 
     requests, schedule = benchmark_requests(), parse_mix("text:3,image:1")
     captured, captures, growth = [], {}, {}
+    plan_ms, policy_ms = {}, {}  # host time per request: the request's own plan, then graph_plan on it
     for i in range(n):
         kind = schedule[i % len(schedule)]
         compiled = [compiler.compile(new_shape(requests[KINDS[kind]], i))]
+        t0 = time.perf_counter()
         plan = choose(compiled[0], config, "one-pass")
+        t1 = time.perf_counter()
         served = graph_plan(compiled, config, plan, captured)
+        t2 = time.perf_counter()
+        plan_ms.setdefault(kind, []).append((t1 - t0) * 1e3)
+        policy_ms.setdefault(kind, []).append((t2 - t1) * 1e3)
         if served.key not in captured:
             captured.append(served.key)
             captures[kind] = captures.get(kind, 0) + 1
         layout = LAYOUTS[served.kind]
         growth.setdefault(kind, []).append(layout.rows_swept(served.shape) / layout.rows_swept(plan.shape))
+
+    def p50_p99(values: dict) -> dict:
+        return {k: [round(statistics.median(v), 4), round(sorted(v)[int(0.99 * (len(v) - 1))], 4)] for k, v in values.items()}
+
     return {"requests": n, "graphs_captured": captures,
-            "rows_growth_mean": {k: round(statistics.mean(v) - 1, 4) for k, v in growth.items()}}
+            "rows_growth_mean": {k: round(statistics.mean(v) - 1, 4) for k, v in growth.items()},
+            "plan_ms_p50_p99": p50_p99(plan_ms), "graph_plan_ms_p50_p99": p50_p99(policy_ms)}
 
 
 if __name__ == "__main__":
