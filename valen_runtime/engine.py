@@ -66,6 +66,11 @@ class Batch:
         return [p for p in self.prepared if not isinstance(p, Exception)]
 
 
+def vision_graph_key(grid_thw: torch.Tensor) -> tuple:
+    """The CUDA-graph key of the vision tower on these grids ([n, 3] (t, h, w); a video's t frame pairs)."""
+    return ("vision", tuple(grid_list(grid_thw)))
+
+
 class Engine:
     def __init__(self, model: LoadedModel, compiler: Compiler, options: EngineOptions, temperature: float | None = None,
                  fast: FastModel | None = None):
@@ -250,10 +255,12 @@ class Engine:
         # grid tables (weights only) are built when the graph is captured; the graph cache keeps
         # the closure, so they live as long as the graph.
         grids = grid_list(images.grid_thw)
-        key = ("vision", tuple(grids))
+        key = vision_graph_key(images.grid_thw)
         tables = None if key in self.graphs else self.vision.grid_tables(grids)
         lengths = frame_lengths(grids)
-        (features,) = self.graphs.run(key, lambda px: (self.vision.encode(px, *tables, lengths),), pixel_values)
+        # Only this image size reuses the graph: captured on the size's second use, not its first.
+        (features,) = self.graphs.run(key, lambda px: (self.vision.encode(px, *tables, lengths),), pixel_values,
+                                      capture_on_first_use=False)
         return features
 
     # ---- execute ----------------------------------------------------------------------------
@@ -309,7 +316,11 @@ class Engine:
         if self.graphs is None:
             (logits,) = forward(inputs)
         else:
-            (logits,) = self.graphs.run(plan.key, forward, inputs)
+            # A plan with image or video tokens is reused only by requests of the same sizes: its
+            # first use captures once those sizes recur (their vision graphs are captured).
+            visual = [v for v in (c.state.vision_inputs for c in compiled) if v is not None]
+            recurring = all(vision_graph_key(v.grid_thw) in self.graphs for v in visual)
+            (logits,) = self.graphs.run(plan.key, forward, inputs, capture_on_first_use=recurring)
         # [K_b] per branch of every request; a bucketed plan's pad candidates follow the real ones.
         per_branch = iter(logits[: sum(plan.candidates_per_branch)].split(plan.candidates_per_branch))
         out = []

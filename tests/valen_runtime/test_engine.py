@@ -378,6 +378,32 @@ def test_the_engine_on_graph_replay_semantics_answers_as_run_directly_cpu(tiny_e
     assert not all(torch.equal(a, b) for a, b in zip(got[0].logits, got[1].logits))
 
 
+def test_an_image_size_is_captured_once_it_recurs_and_text_on_its_first_use_cpu(tiny_export, short_request, long_image_request):
+    """Under graph replay semantics (CPU stand-in): a text request's plan is captured on its first
+    use (padding lets its neighbours reuse it); an image request's vision tower and plan run directly
+    the first time its image size is seen (a size seen once captures nothing and evicts nothing) and
+    are captured the second time; every run answers as the direct engine does."""
+    from valen_runtime.engine import vision_graph_key
+
+    options = EngineOptions(device="cpu", dtype="bf16", mode="shared-prefix", kernels="fast")
+    direct = Engine.load(tiny_export["separate"], options)
+    graphed = Engine(direct.model, direct.compiler, options, fast=direct.fast)
+    graphed.graphs = cpu_graphs()
+    want = direct.run(short_request).logits
+    assert all(torch.equal(a, b) for a, b in zip(want, graphed.run(short_request).logits))
+    text_keys = list(graphed.graphs.keys())
+    assert len(text_keys) == 1 and graphed.graphs.captures == 1  # captured on the first use
+    vision_key = vision_graph_key(graphed.compiler.compile(long_image_request).state.image_grid_thw)
+    want = direct.run(long_image_request).logits
+    got = graphed.run(long_image_request).logits  # the image size's first use: direct runs
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert list(graphed.graphs.keys()) == text_keys and graphed.graphs.captures == 1
+    for _ in range(2):  # its second use captures the tower and the plan, the third replays
+        got = graphed.run(long_image_request).logits
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert vision_key in graphed.graphs and len(graphed.graphs) == 3 and graphed.graphs.captures == 3
+
+
 gpu = pytest.mark.gpu
 
 
@@ -470,11 +496,11 @@ def with_longer_question(request: dict, words: int) -> dict:
 def test_layouts_of_one_graph_key_replay_bitwise_as_run_directly(tiny_export, batch_requests, grouped):
     """Shape buckets: two requests (or batches) whose questions differ in length fall on one graph
     key; the graph captured for the first, replayed with the second's inputs (other sequence
-    lengths, head rows, tokens), computes the bits the compiled layers compute run directly. This
-    is what holds if no host-side value (a sequence length, a launch grid) is baked into the graph
-    beyond `Plan.key`."""
+    lengths, head rows, tokens), computes the bits the compiled layers compute when they run the
+    plan it serves (`graph_plan`) directly. This is what holds if no host-side value (a sequence
+    length, a launch grid) is baked into the graph beyond `Plan.key`."""
     from valen_runtime.fast.kernels import fla_available
-    from valen_runtime.layouts import one_pass
+    from valen_runtime.layouts import graph_plan, one_pass
 
     if not fla_available():
         pytest.skip("flash-linear-attention not importable: CUDA runs the batch layout")
@@ -491,14 +517,20 @@ def test_layouts_of_one_graph_key_replay_bitwise_as_run_directly(tiny_export, ba
         by_key.setdefault(plan.key, {}).setdefault(lengths, group)
     first, second = next(groups for groups in map(list, (v.values() for v in by_key.values())) if len(groups) > 1)[:2]
     run = (lambda e, g: e.run_many(g)) if grouped else (lambda e, g: [e.run(g[0])])
-    run(graphed, first)  # direct
-    run(graphed, first)  # captured
-    captured = len(graphed.graphs)
+    run(graphed, first)  # text: captured on this first use; with an image: direct until its size recurs
+    run(graphed, first)  # captured by now
+    captured = list(graphed.graphs.keys())
+    # The plan the second's replay runs (graph_plan: padded into the first's captured shape), run directly
+    prepared = direct.prepare_many(second)
+    compiled, features = [c for c, _ in prepared.ready], [f for _, f in prepared.ready]
+    served = graph_plan(compiled, direct.model.config, prepared.plan if grouped else direct.plan(compiled[0]), captured)
+    assert served.key in captured
+    want = direct.execute_plan_many(compiled, served, features)
     got = run(graphed, second)  # replays the first's graph
-    assert len(graphed.graphs) == captured and all(r.timings.get("batch", 1) == len(first) for r in got)
-    want = run(direct, second)
-    for a, b in zip(got, want):
-        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), (a.logits, b.logits)
+    assert set(graphed.graphs.keys()) == set(captured) and list(graphed.graphs.keys())[-1] == served.key  # nothing new
+    assert all(r.timings.get("batch", 1) == len(first) for r in got)
+    for result, logits in zip(got, want):
+        assert all(torch.equal(x, y.cpu()) for x, y in zip(result.logits, logits)), (result.logits, logits)
 
 
 @gpu

@@ -410,9 +410,22 @@ def test_a_headroom_plan_holds_its_request_and_longer_neighbours_as_the_unbucket
     if padded is not None:
         assert padded.shape == big and longer_plan.shape.cut + longer_plan.shape.T <= big.cut + big.T
         assert_real_rows_as_plain(padded, one_pass.build(longer, config, buckets=False))
-    # Never into a shape more than one rung of rows above its own, nor into one with other prefixes or images
+    # Never into a shape more than one rung of rows above its own (two rungs: one that holds it), nor
+    # into one with other prefixes or images
+    two_rungs = holding_shape(compiled, config, big, T=bucket(big.cut + big.T + 1) - big.cut)
+    assert two_rungs is not None and one_pass.pad_into(compiled, config, plan, two_rungs) is None
     assert one_pass.pad_into(compiled, config, plan, big._replace(T=bucket(bucket(big.cut + big.T + 1) + 1) - big.cut)) is None
     assert one_pass.build(compiled, config, into=big._replace(n_visual=big.n_visual + 1)) is None
+
+
+def holding_shape(requests, config, shape, T: int):
+    """`shape` with T rows that holds `requests` (pad sequences' rows, chunks and attention grown to
+    fit, as with_headroom grows them), or None."""
+    grown = shape._replace(T=T, S=bucket(shape.S + T - shape.T), L=shape.L + T - shape.T)
+    for NT in range(shape.NT, shape.NT + shape.n + -(-(T - shape.T) // CHUNK) + 1):
+        if bucket(NT) == NT and one_pass.build(requests, config, into=grown._replace(NT=NT)) is not None:
+            return grown._replace(NT=NT)
+    return None
 
 
 def test_rows_pad_into_longer_rows_within_two_rungs(setup, short_request):
@@ -447,4 +460,23 @@ def test_graph_plan_takes_the_own_key_then_the_cheapest_captured_holder_then_hea
     assert graph_plan(compiled, config, plan, [("rows", 1, 64, 2, 0), grown.key]).key == grown.key  # a holder of its layout
     longer = [compiler.compile(variant(long_image_request, 30, True))]
     far = one_pass.with_headroom(longer, config, one_pass.build(longer, config))
-    assert graph_plan(compiled, config, plan, [far.key, grown.key]).key == grown.key  # the cheaper holder first
+    assert graph_plan(compiled, config, plan, [far.key, grown.key]).key == grown.key  # one that does not hold it is passed over
+
+
+def test_graph_plan_tries_the_captured_holders_cheapest_first(setup, long_image_request, monkeypatch):
+    """Of several captured shapes of the request's layout, the one sweeping the fewest rows is
+    tried first, whatever the order of capture (pad_into replaced by one that takes any shape)."""
+    compiler, config = setup
+    compiled = [compiler.compile(long_image_request)]
+    plan = one_pass.build(compiled, config)
+    tried = []
+
+    def takes_any(requests, config_, plan_, shape):
+        tried.append(shape)
+        return ("padded into", shape)
+
+    monkeypatch.setattr(one_pass, "pad_into", takes_any)
+    own = plan.shape
+    cheap, costly = own._replace(T=own.T + 32), own._replace(T=own.T + 64)
+    assert graph_plan(compiled, config, plan, [("one-pass", *costly), ("rows", 1, 64, 2, 0), ("one-pass", *cheap)]) == ("padded into", cheap)
+    assert tried == [cheap]

@@ -14,14 +14,17 @@ from ..layouts.common import leaves, rebuild, skeleton
 
 
 class GraphCache:
-    """Capture `fn(inputs) -> tuple of tensors` per shape key on its first use, and replay it.
+    """Capture `fn(inputs) -> tuple of tensors` per shape key, and replay it.
     `inputs`: a tensor, or a named tuple (a layout's `Inputs`) of tensors, nested tuples and None;
     the key must fix its structure (which fields are None) as it fixes the shapes.
 
-    A key's first use runs `fn` once on a side stream (torch.compile's compiles and Triton's
-    autotuning for the new sizes happen there, outside the capture), captures it, and replays: about
-    twice a direct run's time, once. A server that sees many shapes keeps them on few keys by
-    padding into captured shapes (`layouts.graph_plan`), so first uses are rare.
+    A capture runs `fn` once on a side stream (torch.compile's compiles and Triton's autotuning
+    for the new sizes happen there, outside the capture), captures it, and replays: about twice a
+    direct run's time, once. Where later requests reuse a key (a server pads varied text into
+    captured shapes, `layouts.graph_plan`), the key's first use captures. Where nothing but the same
+    input size reuses it (`capture_on_first_use=False`: an image size's vision tower), the first
+    use runs `fn` directly and the second captures: a size seen once neither pays a capture nor
+    evicts a graph.
     Inputs are copied into static buffers (the tensors in field order; `fn` gets them rebuilt
     into the named tuple); a replay's outputs are the graph's own buffers, valid
     until the next replay of the same key (callers use them before the next request). Each entry
@@ -32,6 +35,7 @@ class GraphCache:
         self.graphs: OrderedDict = OrderedDict()  # least recently replayed first
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.max_graphs = max_graphs
+        self.seen: OrderedDict = OrderedDict()  # keys run directly once, not captured; oldest first, bounded
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -43,11 +47,17 @@ class GraphCache:
         """The captured keys, least recently replayed first."""
         return self.graphs.keys()
 
-    def run(self, key, fn: Callable, inputs) -> tuple[torch.Tensor, ...]:
+    def run(self, key, fn: Callable, inputs, capture_on_first_use: bool = True) -> tuple[torch.Tensor, ...]:
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)
+        elif not capture_on_first_use and key not in self.seen:
+            self.seen[key] = None
+            while len(self.seen) > 4 * self.max_graphs:
+                self.seen.popitem(last=False)
+            return fn(inputs)
         else:
+            self.seen.pop(key, None)
             structure = skeleton(inputs)  # the graph keeps the structure, not these tensors
             entry = self._capture(key, lambda *tensors: fn(rebuild(structure, iter(tensors))), list(leaves(inputs)))
         graph, static_in, static_out, _ = entry
@@ -59,13 +69,14 @@ class GraphCache:
     def _capture(self, key, fn: Callable, inputs: list[torch.Tensor]):
         """`fn(*inputs)` on static copies of the flat tensors `inputs`, captured as the key's graph.
         A stop during the warm-up (cancel.py) leaves the cache as it was; the capture itself is
-        shielded, so a key never loses its graph half-way (an older one already evicted)."""
+        shielded (no stop half-way), and the least recently used graph is evicted only once the new
+        one is recorded, so a capture that fails costs no other graph."""
         static_in = [t.clone() for t in inputs]
         self._warm_up(fn, static_in)
         with shielded():
+            graph, static_out = self._record(fn, static_in)
             while len(self.graphs) >= self.max_graphs:  # a server sees unbounded shape variety
                 self.graphs.popitem(last=False)
-            graph, static_out = self._record(fn, static_in)
             entry = self.graphs[key] = (graph, static_in, static_out, fn)
         return entry
 
@@ -74,9 +85,11 @@ class GraphCache:
         and the compiles and autotuning a new size triggers, none of which can be captured."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn(*static_in)
-        torch.cuda.current_stream().wait_stream(stream)
+        try:
+            with torch.cuda.stream(stream):
+                fn(*static_in)
+        finally:  # also after a stop: the main stream must not reuse static_in's memory while the side stream reads it
+            torch.cuda.current_stream().wait_stream(stream)
 
     def _record(self, fn: Callable, static_in: list[torch.Tensor]):
         """-> (the captured graph of `fn(*static_in)`, its output buffers)."""

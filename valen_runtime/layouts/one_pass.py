@@ -185,7 +185,7 @@ def rows_swept(shape: Shape) -> int:
 
 def pad_into(requests: list[CompiledRequest], config: ModelConfig, plan: Plan, shape: Shape) -> Plan | None:
     """`plan`'s requests padded into a captured graph's `shape` when it sweeps at most one rung more
-    rows (at most an eighth more work), else None."""
+    rows (at most an eighth more rows; docs/runtime.md says what that bounds), else None."""
     own = plan.shape
     if not own.cut + own.T <= shape.cut + shape.T <= bucket(own.cut + own.T + 1) \
             or (shape.cut, shape.prefixes, shape.n_visual) != (own.cut, own.prefixes, own.n_visual) \

@@ -168,3 +168,75 @@ def test_named_inputs_reach_fn_as_the_same_named_tuple_cpu(monkeypatch):
         (out,) = cache.run("k", fn, inputs)
         assert torch.equal(out, torch.full((2,), 100.0 * use + 10 * (1 + use) + 2 + use)), use
     assert seen[0].x.data_ptr() == seen[-1].x.data_ptr() and len(cache) == 1  # every use reads the static copies
+
+
+def test_a_key_reused_only_by_its_own_size_runs_directly_first_and_captures_on_its_second_use_cpu(monkeypatch):
+    """capture_on_first_use=False (an image size's vision tower): the first use runs `fn` on the
+    caller's inputs with nothing captured or evicted; the second captures, later ones replay; the
+    keys remembered as seen once stay bounded."""
+    FakeCuda(monkeypatch)
+    FakeGraph.captures = 0
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        return (x * 3,)
+
+    cache = GraphCache(max_graphs=1)
+    record_captures(cache, monkeypatch)
+    cache.run("text", fn, torch.ones(1))  # a key that captures on its first use
+    first = torch.full((2,), 2.0)
+    (out,) = cache.run(("vision", 1), fn, first, capture_on_first_use=False)
+    assert torch.equal(out, torch.full((2,), 6.0)) and calls[-1] is first  # direct, on the caller's tensor
+    assert list(cache.keys()) == ["text"] and FakeGraph.captures == 1  # nothing captured, nothing evicted
+    (out,) = cache.run(("vision", 1), fn, torch.full((2,), 5.0), capture_on_first_use=False)
+    assert torch.equal(out, torch.full((2,), 15.0)) and list(cache.keys()) == [("vision", 1)] and FakeGraph.captures == 2
+    (again,) = cache.run(("vision", 1), fn, torch.full((2,), 7.0), capture_on_first_use=False)
+    assert again is out and torch.equal(again, torch.full((2,), 21.0)) and FakeGraph.captures == 2  # a replay
+    for size in range(100):  # sizes seen once: remembered up to 4 x max_graphs, oldest forgotten first
+        cache.run(("vision", 100 + size), fn, torch.ones(1), capture_on_first_use=False)
+    assert list(cache.seen) == [("vision", 100 + size) for size in range(96, 100)] and FakeGraph.captures == 2
+
+
+def test_a_failed_capture_evicts_no_other_graph_cpu():
+    class FailingCapture(GraphCache):
+        fail = False
+
+        def _warm_up(self, fn, static_in):
+            fn(*static_in)
+
+        def _record(self, fn, static_in):
+            if self.fail:
+                raise RuntimeError("out of memory in the graph pool")
+            return type("Replay", (), {"replay": lambda self: None})(), fn(*static_in)
+
+    cache = FailingCapture(pool="no CUDA memory pool on the CPU", max_graphs=1)
+    cache.run("older", lambda x: (x + 1,), torch.zeros(1))
+    cache.fail = True
+    with pytest.raises(RuntimeError, match="graph pool"):
+        cache.run("new", lambda x: (x + 1,), torch.zeros(2))
+    assert list(cache.keys()) == ["older"]
+
+
+def test_a_stop_in_the_warm_up_still_joins_the_side_stream_cpu(monkeypatch):
+    """The warm-up runs on a side stream reading the static inputs: after a stop there the main
+    stream must still wait for it, or the inputs' memory, freed with the stop, could be handed to
+    the next request while side-stream kernels still read it."""
+    from valen_runtime import cancel
+
+    FakeCuda(monkeypatch)
+    joins = []
+
+    class MainStream(FakeStream):
+        def wait_stream(self, other):
+            joins.append(type(other).__name__)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", MainStream)
+
+    def stopped_layer(x):
+        cancel.checkpoint()
+        return (x + 1,)
+
+    with cancel.scope(lambda: True), pytest.raises(cancel.Cancelled):
+        GraphCache(max_graphs=2).run("k", stopped_layer, torch.zeros(2))
+    assert joins == ["FakeStream"]  # the main stream waited for the side stream once
