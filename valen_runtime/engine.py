@@ -316,11 +316,12 @@ class Engine:
         if self.graphs is None:
             (logits,) = forward(inputs)
         else:
-            # A plan with image or video tokens is reused only by requests of the same sizes: its
-            # first use captures once those sizes recur (their vision graphs are captured).
+            # A request's plan is reused by its padded neighbours, so its first use captures; but a
+            # plan with image or video tokens only once those sizes recur (their vision graphs are
+            # captured), and a batch's combined shape, which rarely recurs, on its second use.
             visual = [v for v in (c.state.vision_inputs for c in compiled) if v is not None]
             recurring = all(vision_graph_key(v.grid_thw) in self.graphs for v in visual)
-            (logits,) = self.graphs.run(plan.key, forward, inputs, capture_on_first_use=recurring)
+            (logits,) = self.graphs.run(plan.key, forward, inputs, capture_on_first_use=recurring and len(compiled) == 1)
         # [K_b] per branch of every request; a bucketed plan's pad candidates follow the real ones.
         per_branch = iter(logits[: sum(plan.candidates_per_branch)].split(plan.candidates_per_branch))
         out = []

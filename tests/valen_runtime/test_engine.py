@@ -382,7 +382,8 @@ def test_an_image_size_is_captured_once_it_recurs_and_text_on_its_first_use_cpu(
     """Under graph replay semantics (CPU stand-in): a text request's plan is captured on its first
     use (padding lets its neighbours reuse it); an image request's vision tower and plan run directly
     the first time its image size is seen (a size seen once captures nothing and evicts nothing) and
-    are captured the second time; every run answers as the direct engine does."""
+    are captured the second time; a batch's combined plan is captured on its second use; every run
+    answers as the direct engine does."""
     from valen_runtime.engine import vision_graph_key
 
     options = EngineOptions(device="cpu", dtype="bf16", mode="shared-prefix", kernels="fast")
@@ -402,6 +403,12 @@ def test_an_image_size_is_captured_once_it_recurs_and_text_on_its_first_use_cpu(
         got = graphed.run(long_image_request).logits
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert vision_key in graphed.graphs and len(graphed.graphs) == 3 and graphed.graphs.captures == 3
+    pair = [short_request, dict(short_request, state="A second and different account of the same order.")]
+    want = direct.run_many(pair)
+    for captures in (3, 4, 4):  # a batch's combined shape: direct, then captured on its second use, then replayed
+        got = graphed.run_many(pair)
+        assert graphed.graphs.captures == captures and all(r.timings["batch"] == 2 for r in got)
+        assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g.logits, w.logits))
 
 
 gpu = pytest.mark.gpu
@@ -545,7 +552,7 @@ def test_batched_one_pass_on_cuda_is_as_accurate_as_each_alone(tiny_export, batc
     export = tiny_export["separate"]
     fast = Engine.load(export, EngineOptions(device="cuda", dtype="bf16"))
     assert fast.batches and fast.graphs is not None and fast.fast.compiled and fast.kernels["gated_delta"].startswith("fla")
-    runs = [fast.run_many(batch_requests) for _ in range(3)]  # capture, then replays
+    runs = [fast.run_many(batch_requests) for _ in range(3)]  # direct, capture, replay
     assert all(r.timings["batch"] == len(batch_requests) for r in runs[-1])
     for a, b in zip(runs[1], runs[2]):
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
