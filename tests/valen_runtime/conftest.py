@@ -130,3 +130,30 @@ def rest_of_stderr(proc: subprocess.Popen, timeout: float = 60.0) -> str:
         proc.kill()
         rest = proc.communicate()[1]
         pytest.fail(f"valen-serve did not exit within {timeout} s of being stopped; its stderr ends: {rest[-2000:]}")
+
+
+def cpu_graphs(max_graphs: int = 64):
+    """fast.graphs.GraphCache on the CPU with CUDA-graph replay semantics: its own policy (when to
+    capture, eviction) over a "capture" that keeps the function, static inputs and
+    outputs, and a replay that reruns the function on the static inputs and writes into the
+    static outputs, so stale buffers and aliasing show as they would on CUDA."""
+    from valen_runtime.fast.graphs import GraphCache
+
+    class CpuGraphs(GraphCache):
+        captures = 0
+
+        def _warm_up(self, fn, static_in):
+            fn(*static_in)
+
+        def _record(self, fn, static_in):
+            static_out = fn(*static_in)
+            self.captures += 1
+
+            class Replay:
+                def replay(self):
+                    for dst, src in zip(static_out, fn(*static_in)):
+                        dst.copy_(src)
+
+            return Replay(), static_out
+
+    return CpuGraphs(pool="no CUDA memory pool on the CPU", max_graphs=max_graphs)

@@ -18,6 +18,8 @@ from valen_runtime.cli import main as valen_run
 from valen_runtime.engine import Engine
 from valen_runtime.options import EngineOptions
 
+from .conftest import cpu_graphs
+
 TEXT_REQUEST = {
     "model": "valen-preview-0923",
     "state": "The card was charged twice for one order.",
@@ -320,33 +322,6 @@ def test_compiled_batches_cpu(tiny_export, batch_requests, roundoff_bound):
         for request, got in zip(group, compiled.run_many(group)):
             bound = engine_fp32_bound(roundoff_bound, reference, request)
             assert got.timings["batch"] == len(group) and max_diff(reference.run(request).logits, got.logits) <= bound
-
-
-def cpu_graphs():
-    """fast.graphs.GraphCache on the CPU with CUDA-graph replay semantics: its own policy (capture
-    on the first use, replays after) over a "capture" that keeps the function, static inputs and
-    outputs, and a replay that reruns the function on the static inputs and writes into the
-    static outputs, so stale buffers and aliasing show as they would on CUDA."""
-    from valen_runtime.fast.graphs import GraphCache
-
-    class CpuGraphs(GraphCache):
-        captures = 0
-
-        def _warm_up(self, fn, static_in):
-            fn(*static_in)
-
-        def _record(self, fn, static_in):
-            static_out = fn(*static_in)
-            self.captures += 1
-
-            class Replay:
-                def replay(self):
-                    for dst, src in zip(static_out, fn(*static_in)):
-                        dst.copy_(src)
-
-            return Replay(), static_out
-
-    return CpuGraphs(pool="no CUDA memory pool on the CPU")
 
 
 def test_the_engine_on_graph_replay_semantics_answers_as_run_directly_cpu(tiny_export, batch_requests):

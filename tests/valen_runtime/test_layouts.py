@@ -412,20 +412,10 @@ def test_a_headroom_plan_holds_its_request_and_longer_neighbours_as_the_unbucket
         assert_real_rows_as_plain(padded, one_pass.build(longer, config, buckets=False))
     # Never into a shape more than one rung of rows above its own (two rungs: one that holds it), nor
     # into one with other prefixes or images
-    two_rungs = holding_shape(compiled, config, big, T=bucket(big.cut + big.T + 1) - big.cut)
-    assert two_rungs is not None and one_pass.pad_into(compiled, config, plan, two_rungs) is None
+    two_rungs = one_pass.grow(compiled, config, big, T=bucket(big.cut + big.T + 1) - big.cut, n=big.n)
+    assert two_rungs is not None and one_pass.pad_into(compiled, config, plan, two_rungs.shape) is None
     assert one_pass.pad_into(compiled, config, plan, big._replace(T=bucket(bucket(big.cut + big.T + 1) + 1) - big.cut)) is None
     assert one_pass.build(compiled, config, into=big._replace(n_visual=big.n_visual + 1)) is None
-
-
-def holding_shape(requests, config, shape, T: int):
-    """`shape` with T rows that holds `requests` (pad sequences' rows, chunks and attention grown to
-    fit, as with_headroom grows them), or None."""
-    grown = shape._replace(T=T, S=bucket(shape.S + T - shape.T), L=shape.L + T - shape.T)
-    for NT in range(shape.NT, shape.NT + shape.n + -(-(T - shape.T) // CHUNK) + 1):
-        if bucket(NT) == NT and one_pass.build(requests, config, into=grown._replace(NT=NT)) is not None:
-            return grown._replace(NT=NT)
-    return None
 
 
 def test_rows_pad_into_longer_rows_within_two_rungs(setup, short_request):

@@ -200,15 +200,20 @@ def with_headroom(requests: list[CompiledRequest], config: ModelConfig, plan: Pl
     so the graph captured for it serves requests whose questions are a little longer (more rows,
     and branches crossing into another chunk: `pad_into`). `plan` itself when nothing fits."""
     own = plan.shape
-    T = bucket(own.cut + own.T + 1) - own.cut
-    n = bucket(own.n + 1)
-    S = bucket(own.S + T - own.T)
-    for NT in range(own.NT, own.NT + n + -(-(T - own.T) // CHUNK) + 1):
+    grown = grow(requests, config, own, T=bucket(own.cut + own.T + 1) - own.cut, n=bucket(own.n + 1))
+    return grown if grown is not None else plan
+
+
+def grow(requests: list[CompiledRequest], config: ModelConfig, shape: Shape, T: int, n: int) -> Plan | None:
+    """`requests` built into `shape` grown to T rows and n sequences (the attention block and the
+    sequence table grown with the rows, the fewest chunks that fit), or None when none fits."""
+    S = bucket(shape.S + T - shape.T)
+    for NT in range(shape.NT, shape.NT + n + -(-(T - shape.T) // CHUNK) + 1):
         if bucket(NT) == NT:
-            grown = build(requests, config, into=own._replace(T=T, n=n, NT=NT, S=S, L=own.L + T - own.T))
+            grown = build(requests, config, into=shape._replace(T=T, n=n, NT=NT, S=S, L=shape.L + T - shape.T))
             if grown is not None:
                 return grown
-    return plan
+    return None
 
 
 def packed_indices(groups: list[tuple[int, list[int]]], K: int, attention_length: int | None = None) -> OnePass:

@@ -9,6 +9,8 @@ import torch
 
 from valen_runtime.fast.graphs import GraphCache
 
+from ..conftest import cpu_graphs
+
 gpu = pytest.mark.gpu
 
 
@@ -198,21 +200,14 @@ def test_a_key_reused_only_by_its_own_size_runs_directly_first_and_captures_on_i
     assert list(cache.seen) == [("vision", 100 + size) for size in range(96, 100)] and FakeGraph.captures == 2
 
 
-def test_a_failed_capture_evicts_no_other_graph_cpu():
-    class FailingCapture(GraphCache):
-        fail = False
-
-        def _warm_up(self, fn, static_in):
-            fn(*static_in)
-
-        def _record(self, fn, static_in):
-            if self.fail:
-                raise RuntimeError("out of memory in the graph pool")
-            return type("Replay", (), {"replay": lambda self: None})(), fn(*static_in)
-
-    cache = FailingCapture(pool="no CUDA memory pool on the CPU", max_graphs=1)
+def test_a_failed_capture_evicts_no_other_graph_cpu(monkeypatch):
+    cache = cpu_graphs(max_graphs=1)
     cache.run("older", lambda x: (x + 1,), torch.zeros(1))
-    cache.fail = True
+
+    def out_of_memory(fn, static_in):
+        raise RuntimeError("out of memory in the graph pool")
+
+    monkeypatch.setattr(cache, "_record", out_of_memory)
     with pytest.raises(RuntimeError, match="graph pool"):
         cache.run("new", lambda x: (x + 1,), torch.zeros(2))
     assert list(cache.keys()) == ["older"]
