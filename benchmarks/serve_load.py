@@ -392,6 +392,9 @@ def main() -> None:
         result["host"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
         result["exit_code_after_sigterm"] = server.stop()
         result["server_log_tail"] = [line for line in server.lines if line.get("event") != "ready"][-5:]
+        # Each warmup step's time: where a cold start's compiling and autotuning go.
+        result["warmup_steps"] = [{k: line.get(k) for k in ("done", "total", "step_s", "elapsed_s")}
+                                  for line in server.lines if line.get("event") == "warmup"]
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         print(f"exit code after SIGTERM: {result['exit_code_after_sigterm']}; wrote {args.out}", flush=True)

@@ -21,6 +21,7 @@ default: every choice comes resolved from its `EngineOptions`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -137,6 +138,12 @@ class Engine:
         """Whether run_many sweeps several requests' rows through the layers together (the fast
         model's one-pass layout, shared-prefix mode); otherwise it runs them one after the other."""
         return self.options.batching
+
+    def warming_up(self):
+        """A context in which every CUDA graph key is captured on its first use: a server's warmup
+        runs shapes chosen because clients reuse them (an image size's tower and plan, a batch's
+        combined plan), so none of them waits for a client's request to recur."""
+        return self.graphs.capturing_first_uses() if self.graphs is not None else contextlib.nullcontext()
 
     # ---- whole requests ---------------------------------------------------------------------
 

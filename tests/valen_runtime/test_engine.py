@@ -18,7 +18,7 @@ from valen_runtime.cli import main as valen_run
 from valen_runtime.engine import Engine
 from valen_runtime.options import EngineOptions
 
-from .conftest import cpu_graphs
+from .conftest import cpu_graphs, png_data_url
 
 TEXT_REQUEST = {
     "model": "valen-preview-0923",
@@ -384,6 +384,35 @@ def test_an_image_size_is_captured_once_it_recurs_and_text_on_its_first_use_cpu(
         got = graphed.run_many(pair)
         assert graphed.graphs.captures == captures and all(r.timings["batch"] == 2 for r in got)
         assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g.logits, w.logits))
+
+
+def test_while_warming_up_every_first_use_is_captured_cpu(tiny_export, short_request, long_image_request):
+    """Inside `Engine.warming_up()` (a server's warmup) an image size's tower and plan, and a
+    batch's combined plan, are captured on their first use, so a client's first request of the
+    warmup's shapes replays; outside it the usual policy holds again (a new image size runs
+    directly first). Every run answers as the direct engine does."""
+    from valen_runtime.engine import vision_graph_key
+
+    options = EngineOptions(device="cpu", dtype="bf16", mode="shared-prefix", kernels="fast")
+    direct = Engine.load(tiny_export["separate"], options)
+    graphed = Engine(direct.model, direct.compiler, options, fast=direct.fast)
+    graphed.graphs = cpu_graphs()
+    pair = [short_request, dict(short_request, state="A second and different account of the same order.")]
+    want_image, want_pair = direct.run(long_image_request).logits, direct.run_many(pair)
+    with graphed.warming_up():
+        graphed.run(long_image_request)
+        graphed.run_many(pair)
+    vision_key = vision_graph_key(graphed.compiler.compile(long_image_request).state.image_grid_thw)
+    assert vision_key in graphed.graphs and graphed.graphs.captures == 3  # tower, image plan, the pair's plan
+    got = graphed.run(long_image_request).logits  # the client's first: replayed
+    assert graphed.graphs.captures == 3 and all(torch.equal(a, b) for a, b in zip(want_image, got))
+    got = graphed.run_many(pair)
+    assert graphed.graphs.captures == 3
+    assert all(torch.equal(a, b) for g, w in zip(got, want_pair) for a, b in zip(g.logits, w.logits))
+    other_size = dict(long_image_request, state={"image": png_data_url(160, 96)})
+    assert vision_graph_key(graphed.compiler.compile(other_size).state.image_grid_thw) not in graphed.graphs
+    graphed.run(other_size)  # after the warmup, a new image size's first use runs directly
+    assert graphed.graphs.captures == 3 and not graphed.graphs.every_first_use
 
 
 gpu = pytest.mark.gpu

@@ -1016,6 +1016,11 @@ class _RecordingEngine:
         self.release = threading.Event()
         self.launched = threading.Event()
 
+    def warming_up(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def prepare_many(self, requests):
         self.calls.append(("prepare", [r["n"] for r in requests]))
         return [r["n"] for r in requests]
@@ -1072,3 +1077,42 @@ def test_batch_wait_lets_an_idle_executor_gather_requests_that_come_soon_after()
     assert time.monotonic() - t0 >= 2.0  # a partial batch waited the whole time for a fuller one
     executor.stop()
     assert engine.calls[0] == ("prepare", [1, 2, 3]) and [j.batch for j in jobs] == [3, 3, 3]
+
+
+def test_the_warmup_runs_inside_the_engines_warming_up_context():
+    """Every warmup step (requests, then batches) runs inside `engine.warming_up()`, where CUDA
+    graphs capture on first use, and nothing after ready does."""
+    import contextlib
+
+    from valen_runtime.serve import Executor
+
+    class WarmupRecorder:
+        batches, mode, one_pass, graphs, kernels = True, "shared-prefix", True, None, {}
+
+        def __init__(self):
+            self.warming, self.calls = False, []
+
+        @contextlib.contextmanager
+        def warming_up(self):
+            self.warming = True
+            try:
+                yield
+            finally:
+                self.warming = False
+
+        def run(self, request):
+            self.calls.append(("run", request["n"], self.warming))
+
+        def run_many(self, requests):
+            self.calls.append(("run_many", [r["n"] for r in requests], self.warming))
+            return [None for _ in requests]
+
+    engine = WarmupRecorder()
+    warmup = [{"n": n} for n in range(12)]  # warmup_batches groups the full warmup's requests
+    executor = Executor(lambda: engine, warmup, max_batch=4, pipelined=False)
+    executor.start()
+    assert executor.ready.result(30) is None
+    executor.stop()
+    assert [c[:2] for c in engine.calls[:12]] == [("run", n) for n in range(12)]
+    assert any(c[0] == "run_many" for c in engine.calls)  # the batches ran too, after the requests
+    assert all(c[2] for c in engine.calls) and not engine.warming

@@ -4,6 +4,7 @@ request launches one graph instead of thousands of kernels."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -24,7 +25,8 @@ class GraphCache:
     captured shapes, `layouts.graph_plan`), the key's first use captures. Where nothing but the same
     input size reuses it (`capture_on_first_use=False`: an image size's vision tower), the first
     use runs `fn` directly and the second captures: a size seen once neither pays a capture nor
-    evicts a graph.
+    evicts a graph. Inside `capturing_first_uses()` (a server's warmup, whose shapes are chosen
+    because clients reuse them) every key is captured on its first use.
     Inputs are copied into static buffers (the tensors in field order; `fn` gets them rebuilt
     into the named tuple); a replay's outputs are the graph's own buffers, valid
     until the next replay of the same key (callers use them before the next request). Each entry
@@ -36,6 +38,7 @@ class GraphCache:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.max_graphs = max_graphs
         self.seen: OrderedDict = OrderedDict()  # keys run directly once, not captured; oldest first, bounded
+        self.every_first_use = False  # set by capturing_first_uses()
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -47,11 +50,20 @@ class GraphCache:
         """The captured keys, least recently replayed first."""
         return self.graphs.keys()
 
+    @contextmanager
+    def capturing_first_uses(self):
+        """Within it, `run` captures every key on its first use, whatever `capture_on_first_use` says."""
+        before, self.every_first_use = self.every_first_use, True
+        try:
+            yield self
+        finally:
+            self.every_first_use = before
+
     def run(self, key, fn: Callable, inputs, capture_on_first_use: bool = True) -> tuple[torch.Tensor, ...]:
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)
-        elif not capture_on_first_use and key not in self.seen:
+        elif not (capture_on_first_use or self.every_first_use) and key not in self.seen:
             self.seen[key] = None
             while len(self.seen) > 4 * self.max_graphs:
                 self.seen.popitem(last=False)

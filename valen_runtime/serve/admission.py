@@ -149,18 +149,19 @@ class Executor:
         steps = [("request", request) for request in self._warmup] + [("batch", group) for group in groups]
         progress.total, progress.stage = len(steps), "warmup"
         log.info({"event": "loaded", "load_s": round(t1 - t0, 3), "warmup_steps": progress.total})
-        for kind, step in steps:
-            step_started = time.perf_counter()
-            if kind == "request":
-                engine.run(step)
-            else:
-                for result in engine.run_many(step):
-                    if isinstance(result, Exception):
-                        raise result
-            progress.done += 1
-            now = time.perf_counter()
-            log.info({"event": "warmup", "done": progress.done, "total": progress.total,
-                      "step_s": round(now - step_started, 3), "elapsed_s": round(now - progress.started, 3)})
+        with engine.warming_up():  # every graph key captured on its first use, images and batches too
+            for kind, step in steps:
+                step_started = time.perf_counter()
+                if kind == "request":
+                    engine.run(step)
+                else:
+                    for result in engine.run_many(step):
+                        if isinstance(result, Exception):
+                            raise result
+                progress.done += 1
+                now = time.perf_counter()
+                log.info({"event": "warmup", "done": progress.done, "total": progress.total,
+                          "step_s": round(now - step_started, 3), "elapsed_s": round(now - progress.started, 3)})
         self.timings = {"load_s": round(t1 - t0, 3), "warmup_s": round(time.perf_counter() - t1, 3)}
         return engine, batches
 
