@@ -154,9 +154,9 @@ if [[ " $STEPS " == *" ready "* ]]; then
   # valen-serve's ready time with an empty compile cache (then varied-shape load at concurrency 1
   # and 8 and a short memory phase), and again on a restart with that cache warm.
   CACHE="$WORK/compile-cache"; rm -rf "$CACHE"
-  # TORCH_LOGS=recompiles: which first compiles and recompiles the cold warmup pays for, in the
-  # JSON's server_other_lines (READY_TORCH_LOGS= turns it off).
-  TORCH_LOGS="${READY_TORCH_LOGS-recompiles}" timeout $(cap ${READY_COLD_TIMEOUT:-420}) python3 benchmarks/serve_load.py --export "$WORK/export-2b-separate" --build 2b --device cuda \
+  # TORCH_LOGS: each compile's start and end (dynamo, timestamped) and the guard behind each
+  # recompile, in the JSON's server_other_lines (READY_TORCH_LOGS= turns it off).
+  TORCH_LOGS="${READY_TORCH_LOGS-dynamo,recompiles}" timeout $(cap ${READY_COLD_TIMEOUT:-420}) python3 benchmarks/serve_load.py --export "$WORK/export-2b-separate" --build 2b --device cuda \
     --out "$OUT/serve-cold.json" --new-shapes --concurrency 1,8 --requests 1000 --duration 20 --leak-requests 1500 --leak-duration 40 \
     --startup-timeout 330 --serve-args "--compile-cache $CACHE ${SERVE_ARGS:-}" > "$OUT/serve-cold.log" 2>&1
   echo "ready (cold cache): exit $?"; tail -7 "$OUT/serve-cold.log"

@@ -392,9 +392,9 @@ def main() -> None:
         result["host"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
         result["exit_code_after_sigterm"] = server.stop()
         result["server_log_tail"] = [line for line in server.lines if line.get("event") != "ready"][-5:]
-        # What torch logged (TORCH_LOGS=recompiles: raw text, or JSON lines from a torch logger), at most 200 lines.
+        # What torch logged (TORCH_LOGS: raw text, or JSON lines from a torch logger), at most 2,000 lines.
         result["server_other_lines"] = [line.get("raw") or line.get("message") for line in server.lines
-                                        if "raw" in line or str(line.get("logger", "")).startswith("torch")][:200]
+                                        if "raw" in line or str(line.get("logger", "")).startswith("torch")][:2000]
         # Each warmup step's time: where a cold start's compiling and autotuning go.
         result["warmup_steps"] = [{k: line.get(k) for k in ("done", "total", "step_s", "elapsed_s")}
                                   for line in server.lines if line.get("event") == "warmup"]

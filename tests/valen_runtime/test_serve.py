@@ -1081,7 +1081,7 @@ def test_batch_wait_lets_an_idle_executor_gather_requests_that_come_soon_after()
 
 def test_the_warmup_runs_inside_the_engines_warming_up_context():
     """Every warmup step (requests, then batches) runs inside `engine.warming_up()`, where CUDA
-    graphs capture on first use, and nothing after ready does."""
+    graphs capture on first use, and a request served after ready runs outside it."""
     import contextlib
 
     from valen_runtime.serve import Executor
@@ -1107,12 +1107,28 @@ def test_the_warmup_runs_inside_the_engines_warming_up_context():
             self.calls.append(("run_many", [r["n"] for r in requests], self.warming))
             return [None for _ in requests]
 
+        def prepare_many(self, requests):
+            self.calls.append(("prepare", [r["n"] for r in requests], self.warming))
+            return [r["n"] for r in requests]
+
+        def launch(self, batch):
+            self.calls.append(("launch", batch, self.warming))
+            return batch
+
+        def collect(self, batch):
+            self.calls.append(("collect", batch, self.warming))
+            return [{"n": n} for n in batch]
+
     engine = WarmupRecorder()
     warmup = [{"n": n} for n in range(12)]  # warmup_batches groups the full warmup's requests
     executor = Executor(lambda: engine, warmup, max_batch=4, pipelined=False)
     executor.start()
     assert executor.ready.result(30) is None
+    assert executor.submit({"n": "client"}).future.result(30) == {"n": "client"}
     executor.stop()
-    assert [c[:2] for c in engine.calls[:12]] == [("run", n) for n in range(12)]
-    assert any(c[0] == "run_many" for c in engine.calls)  # the batches ran too, after the requests
-    assert all(c[2] for c in engine.calls) and not engine.warming
+    warmup_calls = [c for c in engine.calls if c[0] in ("run", "run_many")]
+    served = [c for c in engine.calls if c[0] in ("prepare", "launch", "collect")]
+    assert [c[:2] for c in warmup_calls[:12]] == [("run", n) for n in range(12)]
+    assert any(c[0] == "run_many" for c in warmup_calls)  # the batches ran too, after the requests
+    assert all(c[2] for c in warmup_calls)
+    assert [c[0] for c in served] == ["prepare", "launch", "collect"] and not any(c[2] for c in served)

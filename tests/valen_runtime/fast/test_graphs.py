@@ -235,3 +235,23 @@ def test_a_stop_in_the_warm_up_still_joins_the_side_stream_cpu(monkeypatch):
     with cancel.scope(lambda: True), pytest.raises(cancel.Cancelled):
         GraphCache(max_graphs=2).run("k", stopped_layer, torch.zeros(2))
     assert joins == ["FakeStream"]  # the main stream waited for the side stream once
+
+
+def test_capturing_first_uses_is_restored_after_nesting_and_an_exception():
+    """`capturing_first_uses()` (a server's warmup) makes a key that would wait for its second use
+    capture on its first; leaving it, also by an exception and from inside a nested use, restores
+    the policy."""
+    cache = cpu_graphs()
+    double = lambda x: (x * 2,)  # noqa: E731
+    with cache.capturing_first_uses():
+        with cache.capturing_first_uses():
+            cache.run("inner", double, torch.ones(2), capture_on_first_use=False)
+        assert cache.every_first_use  # the outer use still holds
+        cache.run("outer", double, torch.ones(3), capture_on_first_use=False)
+    assert cache.captures == 2 and not cache.every_first_use
+    with pytest.raises(RuntimeError, match="stop"):
+        with cache.capturing_first_uses():
+            raise RuntimeError("stop")
+    assert not cache.every_first_use
+    (out,) = cache.run("after", double, torch.ones(4), capture_on_first_use=False)
+    assert cache.captures == 2 and "after" not in cache and torch.equal(out, torch.full((4,), 2.0))
