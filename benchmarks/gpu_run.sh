@@ -20,8 +20,10 @@
 #   "variants": benchmarks/kernel_variants.py, candidate LoRA-A and conv formulations (VARIANTS_ARGS).
 #   "serve" (not in the default STEPS; run it alone: STEPS=serve): benchmarks/serve_load.py, valen-serve under
 #   load on the 2b separate export (SERVE_ARGS adds options, e.g. --leak-requests 2000).
+#   "tune" (not in the default STEPS): benchmarks/tune_fla.py, FLA's kernel configurations for this GPU
+#   (before "ready" in the same call: STEPS="tune ready" measures the cold start with them).
 #   "ready" (not in the default STEPS; run it alone: STEPS=ready): valen-serve's ready time with an empty
-#   --compile-cache and on a restart with it warm, with varied-shape load at concurrency 1 and 8 (serve_load.py).
+#   --compile-cache and on a restart with it warm (READY_WARM=0: cold only), with varied-shape load at concurrency 1 and 8 (serve_load.py).
 #   "video" (not in the default STEPS; run it alone: STEPS=video): benchmarks/video_latency.py on the 2b preset,
 #   H.264 clips against the reference in the same run, and load_video's peak memory at the limits
 #   (VIDEO_ARGS adds options, e.g. --skip-reference or --only v3s).
@@ -150,20 +152,32 @@ if [[ " $STEPS " == *" serve "* ]]; then  # builds fixture-2b and export-2b-sepa
     --out "$OUT/serve-load.json" --requests 1000 --duration 30 --leak-duration 150 --startup-timeout 360 ${SERVE_ARGS:-} > "$OUT/serve-load.log" 2>&1
   echo "serve: exit $?"; tail -8 "$OUT/serve-load.log"
 fi
+if [[ " $STEPS " == *" tune "* ]]; then
+  # FLA's kernels autotuned from scratch over valen-serve's warmup, the choices written in FLA's
+  # config format (benchmarks/tune_fla.py) to $OUT/fla_configs/<GPU>/ (commit it under
+  # valen_runtime/fast/fla_configs/ to ship it) and into this tree, so a later step of the same call uses them.
+  timeout $(cap ${TUNE_TIMEOUT:-300}) python3 benchmarks/tune_fla.py --export "$WORK/export-2b-separate" --build 2b \
+    --out "$OUT/fla_configs" > "$OUT/tune-fla.log" 2>&1
+  echo "tune: exit $?"; grep -c "Triton autotuning" "$OUT/tune-fla.log"; tail -2 "$OUT/tune-fla.log"
+  mkdir -p valen_runtime/fast/fla_configs && cp -r "$OUT"/fla_configs/. valen_runtime/fast/fla_configs/
+fi
 if [[ " $STEPS " == *" ready "* ]]; then
   # valen-serve's ready time with an empty compile cache (then varied-shape load at concurrency 1
   # and 8 and a short memory phase), and again on a restart with that cache warm.
   CACHE="$WORK/compile-cache"; rm -rf "$CACHE"
   # TORCH_LOGS: each compile's start and end (dynamo, timestamped) and the guard behind each
-  # recompile, in the JSON's server_other_lines (READY_TORCH_LOGS= turns it off).
-  TORCH_LOGS="${READY_TORCH_LOGS-dynamo,recompiles}" timeout $(cap ${READY_COLD_TIMEOUT:-420}) python3 benchmarks/serve_load.py --export "$WORK/export-2b-separate" --build 2b --device cuda \
+  # recompile, in the JSON's server_other_lines (READY_TORCH_LOGS= turns it off), with a line for
+  # each kernel FLA autotunes (TRITON_PRINT_AUTOTUNING).
+  TRITON_PRINT_AUTOTUNING=1 TORCH_LOGS="${READY_TORCH_LOGS-dynamo,recompiles}" timeout $(cap ${READY_COLD_TIMEOUT:-420}) python3 benchmarks/serve_load.py --export "$WORK/export-2b-separate" --build 2b --device cuda \
     --out "$OUT/serve-cold.json" --new-shapes --concurrency 1,8 --requests 1000 --duration 20 --leak-requests 1500 --leak-duration 40 \
     --startup-timeout 330 --serve-args "--compile-cache $CACHE ${SERVE_ARGS:-}" > "$OUT/serve-cold.log" 2>&1
   echo "ready (cold cache): exit $?"; tail -7 "$OUT/serve-cold.log"
-  timeout $(cap 200) python3 benchmarks/serve_load.py --export "$WORK/export-2b-separate" --device cuda \
-    --out "$OUT/serve-warm.json" --new-shapes --concurrency 1 --requests 300 --duration 10 --leak-requests 100 --leak-duration 10 \
-    --startup-timeout 180 --serve-args "--compile-cache $CACHE ${SERVE_ARGS:-}" > "$OUT/serve-warm.log" 2>&1
-  echo "ready (warm cache): exit $?"; tail -5 "$OUT/serve-warm.log"
+  if [ "${READY_WARM:-1}" = 1 ]; then
+    timeout $(cap 200) python3 benchmarks/serve_load.py --export "$WORK/export-2b-separate" --device cuda \
+      --out "$OUT/serve-warm.json" --new-shapes --concurrency 1 --requests 300 --duration 10 --leak-requests 100 --leak-duration 10 \
+      --startup-timeout 180 --serve-args "--compile-cache $CACHE ${SERVE_ARGS:-}" > "$OUT/serve-warm.log" 2>&1
+    echo "ready (warm cache): exit $?"; tail -5 "$OUT/serve-warm.log"
+  fi
 fi
 if [[ " $STEPS " == *" tests "* ]]; then
   # Every gpu-marked test, in TEST_WORKERS processes sharing the GPU (xdist; each test compiles on the

@@ -18,23 +18,32 @@ import torch
 import torch.nn.functional as F
 
 from ..gated_delta import chunk_gated_delta_rule, l2norm
+from .fla_tuning import use_shipped_configs
 
 _FLA = None
+_FLA_CONFIGS = None  # where FLA's kernel configurations come from (fla_tuning.use_shipped_configs)
 
 
 def fla_available() -> bool:
-    """True when CUDA is up and flash-linear-attention imports."""
-    global _FLA
+    """True when CUDA is up and flash-linear-attention imports (pointed first at the kernel
+    configurations tuned for this GPU, where there are some: fla_tuning.py)."""
+    global _FLA, _FLA_CONFIGS
     if not torch.cuda.is_available():
         return False
     if _FLA is None:
         try:
+            _FLA_CONFIGS = use_shipped_configs(torch.cuda.get_device_name(), fla_version())
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
 
             _FLA = kernel
         except Exception:  # ImportError, or a Triton/driver problem at import time
             _FLA = False
     return _FLA is not False
+
+
+def fla_configs() -> str | None:
+    """Where FLA's kernel configurations come from ("tuned for <GPU>", "autotuned", ...); None before FLA is loaded."""
+    return _FLA_CONFIGS
 
 
 def fla_version() -> str | None:

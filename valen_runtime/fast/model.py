@@ -23,7 +23,7 @@ from ..cancel import checkpoint
 from ..layouts.one_pass import OnePass, one_pass_mask
 from ..qwen35 import TextCache, TextModel, causal_mask, rms_norm
 from ..vision import VisionBlock, VisionModel, frame_lengths, grid_list, per_frame
-from .kernels import fla_version, sdpa_vision_attention
+from .kernels import fla_available, fla_configs, fla_version, sdpa_vision_attention
 from .layers import add, compile_layer_fns, gather_weights, make_layer_fns
 
 if TYPE_CHECKING:
@@ -231,10 +231,12 @@ class FastModel:
         delta_kernel, patch_embed, compile); several engines over one model can share the result
         (Engine's `fast` argument)."""
         compile = options.compile
+        if options.delta_kernel == "fla":
+            fla_available()  # imports FLA (after choosing its kernel configurations) before anything runs
         text = FastText(model.text, options.delta_kernel, compile)
         vision = FastVision(model.vision, options.patch_embed == "linear", compile)
         kernels = {
-            "gated_delta": f"fla-core {fla_version()}" if options.delta_kernel == "fla" else "torch",
+            "gated_delta": f"fla-core {fla_version()}, {fla_configs()}" if options.delta_kernel == "fla" else "torch",
             "attention": "sdpa",
             "projections": "fused",
             "layers": "fused, torch.compile" if compile else "fused, eager",
