@@ -4,6 +4,8 @@ folders are in FLA's config format (the round trip through FLA itself is a gpu t
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -104,3 +106,53 @@ def test_flas_own_lookup_reads_back_what_dump_wrote(tmp_path):
             assert entry is not None, (name, key)
             assert entry["config"]["kwargs"] == config.kwargs and entry["config"]["num_warps"] == config.num_warps
             assert entry["config"]["num_stages"] == config.num_stages
+
+
+_WARMUP_AND_REPORT = """
+import json, sys
+from valen_runtime.engine import Engine
+from valen_runtime.fast import fla_tuning
+from valen_runtime.options import EngineOptions
+from valen_runtime.serve.warmup import warmup_requests
+engine = Engine.load(sys.argv[1], EngineOptions(compile=False, graphs=False))
+for request in warmup_requests(True):
+    engine.run(request)
+used = {name: [hasattr(t, "bench_time") for t in tuners if t.cache] for name, tuners in fla_tuning.autotuners().items()}
+print(json.dumps({"gated_delta": engine.kernels["gated_delta"], "benchmarked": {n: any(b) for n, b in used.items() if b}}))
+"""
+
+
+@pytest.mark.gpu
+def test_with_this_gpus_folder_the_serve_warmup_times_no_candidates(tiny_export, tmp_path):
+    """On a GPU with a tuned folder, every FLA kernel valen-serve's warmup calls takes its
+    configuration from the folder: none has its candidates timed (Triton's autotuner sets
+    bench_time when it does). A fresh process with an empty Triton cache, so nothing was tuned
+    before; eager, since FLA's calls are the same compiled or not (their keys: dtypes, flags)."""
+    import torch
+
+    from valen_runtime.fast.kernels import fla_version
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    name = torch.cuda.get_device_name()
+    folder = fla_tuning.shipped_dir(name, fla_version())
+    if folder is None:
+        pytest.skip(f"no tuned folder for {name} with fla-core {fla_version()}")
+
+    def warmup(cache: str, **fla_env) -> dict:
+        env = {k: v for k, v in os.environ.items() if k not in ("FLA_CACHE_MODE", "FLA_CONFIG_DIR")}
+        env.update(fla_env, TRITON_CACHE_DIR=str(tmp_path / cache))
+        done = subprocess.run([sys.executable, "-c", _WARMUP_AND_REPORT, str(tiny_export["separate"])], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    report = warmup("triton-tuned")
+    assert report["gated_delta"].endswith(f"tuned for {folder.name}")
+    tuned = set(json.loads((folder / fla_tuning.MANIFEST).read_text())["kernels"])
+    assert report["benchmarked"] and set(report["benchmarked"]) <= tuned, report
+    assert not any(report["benchmarked"].values()), report
+    # the control: with FLA's lookup off, the same warmup times every kernel's candidates
+    control = warmup("triton-autotuned", FLA_CACHE_MODE="disabled")
+    assert control["gated_delta"].endswith("as set") and set(control["benchmarked"]) == set(report["benchmarked"])
+    assert all(control["benchmarked"].values()), control
