@@ -158,8 +158,8 @@ if [[ " $STEPS " == *" tune "* ]]; then
   # valen_runtime/fast/fla_configs/ to ship it) and into this tree, so a later step of the same call uses them.
   timeout $(cap ${TUNE_TIMEOUT:-300}) python3 benchmarks/tune_fla.py --export "$WORK/export-2b-separate" --build 2b \
     --out "$OUT/fla_configs" > "$OUT/tune-fla.log" 2>&1
-  echo "tune: exit $?"; grep -c "Triton autotuning" "$OUT/tune-fla.log"; tail -2 "$OUT/tune-fla.log"
-  mkdir -p valen_runtime/fast/fla_configs && cp -r "$OUT"/fla_configs/. valen_runtime/fast/fla_configs/
+  tuned=$?; echo "tune: exit $tuned"; grep -c "Triton autotuning" "$OUT/tune-fla.log"; tail -2 "$OUT/tune-fla.log"
+  [ $tuned = 0 ] && cp -r "$OUT"/fla_configs/. valen_runtime/fast/fla_configs/
 fi
 if [[ " $STEPS " == *" ready "* ]]; then
   # valen-serve's ready time with an empty compile cache (then varied-shape load at concurrency 1

@@ -103,7 +103,8 @@ class Server:
                "--device", device, *extra]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        # stdout joins the log (stderr): what libraries print there (Triton's autotuning lines) is kept too
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[dict] = []
         self.timings: list[tuple[float, float, float, int]] = []  # (ms, queue_ms, run_ms, batch) of answered requests, from the server's log
         self._lock = threading.Lock()
@@ -118,7 +119,7 @@ class Server:
         self.port = self.info["port"]
 
     def _collect(self) -> None:
-        for raw in self.proc.stderr:
+        for raw in self.proc.stdout:
             try:
                 line = json.loads(raw)
             except ValueError:

@@ -69,8 +69,15 @@ def main() -> None:
                 raise result
     warmup_s = time.perf_counter() - started
     name = torch.cuda.get_device_name()
+    # Every kernel whose candidates were timed must be written (a kernel missed here would be
+    # autotuned at every cold start without anyone noticing).
+    timed = {kernel for kernel, tuners in fla_tuning.autotuners().items() if any(hasattr(t, "bench_time") for t in tuners)}
+    if not timed:
+        sys.exit("tune_fla: FLA timed no kernel's candidates (were they tuned before, in TRITON_CACHE_DIR?); nothing written")
     folder = args.out / fla_tuning.gpu_folder_name(name)
     counts = fla_tuning.dump(folder, name)
+    if timed - set(counts):
+        sys.exit(f"tune_fla: {sorted(timed - set(counts))} were tuned but not written to {folder}")
     print(json.dumps({"event": "tuned", "gpu": name, "folder": str(folder), "warmup_s": round(warmup_s, 1), "kernels": counts}))
 
 

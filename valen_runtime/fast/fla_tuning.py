@@ -9,10 +9,12 @@ kernel (its `FLA_CONFIG_DIR` and `FLA_CACHE_MODE` environment variables; fla/ops
 This module ships such directories, `fla_configs/<GPU name>/`, written by `benchmarks/tune_fla.py`
 from FLA's own autotuning of valen-serve's warmup on that GPU, and points FLA at the one for the
 GPU in use before FLA is first imported. The lookup is FLA's "fuzzy" mode: a kernel call whose
-key matches a tuned entry (sizes may differ) uses its configuration; anything else autotunes as
-before. FLA autotunes everything as before when the GPU has no directory here, when the
-directory was tuned with another fla-core version, or when the user set FLA_CONFIG_DIR or
-FLA_CACHE_MODE themselves. The configurations are ones FLA's autotuner picked among its own
+key matches a tuned entry in structure (dtypes and flags; sizes may differ) uses its
+configuration; anything else autotunes as before. Nothing is set, and FLA autotunes as before,
+when the GPU has no folder here, when the folder was tuned with another fla-core version, or
+when FLA was imported before the runtime; when the user set FLA_CONFIG_DIR or FLA_CACHE_MODE,
+FLA does what those say. The variables are set in this process's environment, so child
+processes inherit them. The configurations are ones FLA's autotuner picked among its own
 candidates, so results are those of an autotuned run that chose the same.
 """
 
@@ -40,7 +42,9 @@ def shipped_dir(device_name: str, fla_version: str | None, root: Path = CONFIGS)
         tuned = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
-    return folder if fla_version is not None and tuned.get("fla_core") == fla_version else None
+    if not isinstance(tuned, dict) or fla_version is None:
+        return None
+    return folder if tuned.get("fla_core") == fla_version else None
 
 
 def use_shipped_configs(device_name: str, fla_version: str | None, environ=os.environ, root: Path = CONFIGS) -> str:
@@ -48,7 +52,7 @@ def use_shipped_configs(device_name: str, fla_version: str | None, environ=os.en
     import). Returns what the ready line reports: where FLA's configurations come from."""
     if "FLA_CONFIG_DIR" in environ or "FLA_CACHE_MODE" in environ:
         return "FLA_CONFIG_DIR/FLA_CACHE_MODE as set"
-    if any(name.startswith("fla.") for name in sys.modules):
+    if "fla.ops.utils.cache" in sys.modules:  # the module that reads FLA_CACHE_MODE, once, at import
         return "autotuned (FLA imported before the runtime)"
     folder = shipped_dir(device_name, fla_version, root)
     if folder is None:

@@ -31,8 +31,8 @@ def fla_available() -> bool:
     if not torch.cuda.is_available():
         return False
     if _FLA is None:
+        _FLA_CONFIGS = use_shipped_configs(torch.cuda.get_device_name(), fla_version())
         try:
-            _FLA_CONFIGS = use_shipped_configs(torch.cuda.get_device_name(), fla_version())
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
 
             _FLA = kernel

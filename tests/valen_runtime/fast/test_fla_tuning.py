@@ -1,8 +1,10 @@
 """fla_tuning: which tuned folder FLA is pointed at, when it is left to autotune, and that the shipped
-folders are in FLA's config format (the round trip through FLA itself is a gpu test below)."""
+folders are in FLA's config format (FLA reading what dump wrote, and the shipped folder, is a gpu
+test below)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -54,7 +56,7 @@ def test_flas_environment_is_set_for_a_tuned_gpu_and_left_alone_otherwise(tmp_pa
 
 def test_fla_imported_before_the_runtime_is_left_to_autotune(tmp_path, monkeypatch):
     _tuned_folder(tmp_path)
-    monkeypatch.setitem(sys.modules, "fla.ops", object())
+    monkeypatch.setitem(sys.modules, "fla.ops.utils.cache", object())
     environ = {}
     assert fla_tuning.use_shipped_configs("NVIDIA H100 80GB HBM3", "0.6.0", environ, tmp_path).startswith("autotuned")
     assert environ == {}
@@ -70,46 +72,22 @@ def test_shipped_folders_are_in_flas_config_format(folder):
     assert kernels and set(kernels) == set(manifest["kernels"])
     for name, data in kernels.items():
         assert data["kernel_name"] == name and len(data["autotune_entries"]) == manifest["kernels"][name]
-        for entry in data["autotune_entries"].values():
+        for key_hash, entry in data["autotune_entries"].items():
             config = entry["config"]
             assert isinstance(entry["autotune_key"], list) and isinstance(config["kwargs"], dict)
+            # FLA's AutotuneKey.key_hash: md5 of the key's compact, key-sorted JSON
+            assert key_hash == hashlib.md5(json.dumps(entry["autotune_key"], separators=(",", ":"), sort_keys=True).encode()).hexdigest()
             assert config["num_warps"] in (1, 2, 4, 8, 16, 32) and config["num_stages"] >= 1
+            assert config["num_ctas"] >= 1 and "maxnreg" in config  # FLA reads both unconditionally
 
 
-@pytest.mark.gpu
-def test_flas_own_lookup_reads_back_what_dump_wrote(tmp_path):
-    """After FLA has autotuned a call, dump's files give FLA's config-file reader the same choice for
-    every key (fla.ops.utils.cache: KernelConfigFile, AutotuneKey)."""
-    import torch
-
-    from valen_runtime.fast.kernels import fla_available, fla_chunk_gated_delta_rule
-
-    if not torch.cuda.is_available() or not fla_available():
-        pytest.skip("needs CUDA and fla-core")
-    from fla.ops.utils.cache import AutotuneKey, KernelConfigFile
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    B, T, H, D = 2, 96, 4, 128
-    q, k, v = (torch.randn(B, T, H, D, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(3))
-    g = -torch.rand(B, T, H, device="cuda", generator=gen)
-    beta = torch.rand(B, T, H, device="cuda", generator=gen, dtype=torch.bfloat16)
-    fla_chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
-    counts = fla_tuning.dump(tmp_path, torch.cuda.get_device_name())
-    tuners = fla_tuning.autotuners()
-    assert "recompute_w_u_fwd_kernel" in counts  # defined in several FLA modules: the one that ran is found
-    for name in counts:
-        read = KernelConfigFile.from_file(tmp_path / f"{name}.json")
-        chosen = [item for tuner in tuners[name] for item in tuner.cache.items()]
-        assert len({tuple(key) for key, _ in chosen}) == counts[name]
-        for key, config in chosen:
-            entry = read.lookup_exact(AutotuneKey(autotune_key=tuple(key)))
-            assert entry is not None, (name, key)
-            assert entry["config"]["kwargs"] == config.kwargs and entry["config"]["num_warps"] == config.num_warps
-            assert entry["config"]["num_stages"] == config.num_stages
-
-
+# valen-serve's warmup on an eager fast-path engine (FLA's calls are the same compiled or not: their
+# keys are dtypes, flags and sizes), then which FLA kernels had their candidates timed (Triton's
+# autotuner sets bench_time when it does); with a folder argument, the choices are dumped there.
 _WARMUP_AND_REPORT = """
 import json, sys
+from pathlib import Path
+import torch
 from valen_runtime.engine import Engine
 from valen_runtime.fast import fla_tuning
 from valen_runtime.options import EngineOptions
@@ -118,41 +96,44 @@ engine = Engine.load(sys.argv[1], EngineOptions(compile=False, graphs=False))
 for request in warmup_requests(True):
     engine.run(request)
 used = {name: [hasattr(t, "bench_time") for t in tuners if t.cache] for name, tuners in fla_tuning.autotuners().items()}
+if len(sys.argv) > 2:
+    fla_tuning.dump(Path(sys.argv[2]), torch.cuda.get_device_name())
 print(json.dumps({"gated_delta": engine.kernels["gated_delta"], "benchmarked": {n: any(b) for n, b in used.items() if b}}))
 """
 
 
 @pytest.mark.gpu
-def test_with_this_gpus_folder_the_serve_warmup_times_no_candidates(tiny_export, tmp_path):
-    """On a GPU with a tuned folder, every FLA kernel valen-serve's warmup calls takes its
-    configuration from the folder: none has its candidates timed (Triton's autotuner sets
-    bench_time when it does). A fresh process with an empty Triton cache, so nothing was tuned
-    before; eager, since FLA's calls are the same compiled or not (their keys: dtypes, flags)."""
+def test_dumped_and_shipped_folders_leave_the_serve_warmup_nothing_to_time(tiny_export, tmp_path):
+    """Each run a fresh process with an empty Triton cache: (1) FLA's lookup off, the warmup times
+    every kernel's candidates (the control) and dump writes the choices; (2) FLA pointed at that
+    folder in its strict mode (exact keys): FLA's own reader finds every call's choice, nothing is
+    timed; (3) where this GPU has a shipped folder, the runtime's default (fuzzy) finds every
+    call's choice in it too, though its entries were tuned at the 2B shapes."""
     import torch
 
     from valen_runtime.fast.kernels import fla_version
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    name = torch.cuda.get_device_name()
-    folder = fla_tuning.shipped_dir(name, fla_version())
-    if folder is None:
-        pytest.skip(f"no tuned folder for {name} with fla-core {fla_version()}")
 
-    def warmup(cache: str, **fla_env) -> dict:
+    def warmup(name: str, *extra: str, **fla_env) -> dict:
         env = {k: v for k, v in os.environ.items() if k not in ("FLA_CACHE_MODE", "FLA_CONFIG_DIR")}
-        env.update(fla_env, TRITON_CACHE_DIR=str(tmp_path / cache))
-        done = subprocess.run([sys.executable, "-c", _WARMUP_AND_REPORT, str(tiny_export["separate"])], env=env,
+        env.update(fla_env, TRITON_CACHE_DIR=str(tmp_path / name))
+        done = subprocess.run([sys.executable, "-c", _WARMUP_AND_REPORT, str(tiny_export["separate"]), *extra], env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    report = warmup("triton-tuned")
-    assert report["gated_delta"].endswith(f"tuned for {folder.name}")
-    tuned = set(json.loads((folder / fla_tuning.MANIFEST).read_text())["kernels"])
-    assert report["benchmarked"] and set(report["benchmarked"]) <= tuned, report
-    assert not any(report["benchmarked"].values()), report
-    # the control: with FLA's lookup off, the same warmup times every kernel's candidates
-    control = warmup("triton-autotuned", FLA_CACHE_MODE="disabled")
-    assert control["gated_delta"].endswith("as set") and set(control["benchmarked"]) == set(report["benchmarked"])
+    dumped = tmp_path / "dumped"
+    control = warmup("autotuned", str(dumped), FLA_CACHE_MODE="disabled")
+    assert control["gated_delta"].endswith("as set") and control["benchmarked"], control
     assert all(control["benchmarked"].values()), control
+    assert set(json.loads((dumped / fla_tuning.MANIFEST).read_text())["kernels"]) == set(control["benchmarked"])
+    strict = warmup("strict", FLA_CACHE_MODE="strict", FLA_CONFIG_DIR=str(dumped))
+    assert set(strict["benchmarked"]) == set(control["benchmarked"]) and not any(strict["benchmarked"].values()), strict
+    folder = fla_tuning.shipped_dir(torch.cuda.get_device_name(), fla_version())
+    if folder is None:
+        return  # no shipped folder for this GPU: (3) has nothing to check
+    shipped = warmup("shipped")
+    assert shipped["gated_delta"].endswith(f"tuned for {folder.name}")
+    assert set(shipped["benchmarked"]) == set(control["benchmarked"]) and not any(shipped["benchmarked"].values()), shipped
