@@ -48,6 +48,7 @@ def main() -> None:
     import torch
 
     from valen_runtime.engine import Engine
+    from valen_runtime.errors import ValenError
     from valen_runtime.fast import fla_tuning
     from valen_runtime.options import EngineOptions
     from valen_runtime.serve.warmup import warmup_batches, warmup_requests
@@ -56,7 +57,10 @@ def main() -> None:
         sys.exit("tune_fla: needs a CUDA GPU")
     # Eager and without graphs: FLA's kernels are called with the same shapes, dtypes and flags as
     # in the compiled, captured path (its tuning keys), without a minute of torch.compile first.
-    engine = Engine.load(args.export, EngineOptions(compile=False, graphs=False))
+    try:
+        engine = Engine.load(args.export, EngineOptions(compile=False, graphs=False))
+    except (OSError, ValueError, ValenError) as exc:  # a missing or damaged export, options this machine cannot run
+        sys.exit(f"tune_fla: {args.export}: {exc}")
     if engine.kernels.get("gated_delta", "torch") == "torch":
         sys.exit(f"tune_fla: the engine does not run FLA here (kernels {engine.kernels})")
     requests = warmup_requests(True)
