@@ -1,7 +1,7 @@
 """flash-linear-attention's kernel configurations, chosen ahead of time for the GPUs they were tuned on.
 
-FLA autotunes each Triton kernel on its first use: it compiles every candidate configuration (a
-few to a few dozen per kernel, again for each specialisation: plain or packed sequences, with or
+FLA autotunes each Triton kernel on its first use: it compiles every candidate configuration (3 to
+12 per kernel here, again for each specialisation: plain or packed sequences, with or
 without a final state) and times them. On a cold start that is tens of seconds before the first
 answer. FLA can instead read the configuration to use from a directory of JSON files, one per
 kernel (its `FLA_CONFIG_DIR` and `FLA_CACHE_MODE` environment variables; fla/ops/utils/cache.py).
