@@ -51,7 +51,7 @@ def main() -> None:
     from valen_runtime.errors import ValenError
     from valen_runtime.fast import fla_tuning
     from valen_runtime.options import EngineOptions
-    from valen_runtime.serve.warmup import warmup_batches, warmup_requests
+    from valen_runtime.serve.warmup import run_warmup_step, warmup_requests, warmup_steps
 
     if not torch.cuda.is_available():
         sys.exit("tune_fla: needs a CUDA GPU")
@@ -63,14 +63,9 @@ def main() -> None:
         sys.exit(f"tune_fla: {args.export}: {exc}")
     if engine.kernels.get("gated_delta", "torch") == "torch":
         sys.exit(f"tune_fla: the engine does not run FLA here (kernels {engine.kernels})")
-    requests = warmup_requests(True)
     started = time.perf_counter()
-    for request in requests:
-        engine.run(request)
-    for group in warmup_batches(requests, args.max_batch) if engine.batches else []:
-        for result in engine.run_many(group):
-            if isinstance(result, Exception):
-                raise result
+    for step in warmup_steps(warmup_requests(True), args.max_batch if engine.batches else 1):
+        run_warmup_step(engine, step)
     warmup_s = time.perf_counter() - started
     name = torch.cuda.get_device_name()
     # Every kernel whose candidates were timed must be written (a kernel missed here would be

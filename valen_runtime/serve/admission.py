@@ -13,7 +13,7 @@ from typing import Callable
 
 from .. import cancel
 from .settings import Settings
-from .warmup import warmup_batches
+from .warmup import run_warmup_step, warmup_steps
 
 log = logging.getLogger("valen_serve")
 
@@ -145,19 +145,13 @@ class Executor:
                             "max_batch": self.max_batch if batches else 1}
         t1 = time.perf_counter()
         # One pass: on CUDA each step's first use compiles (and autotunes) and captures its graphs.
-        groups = warmup_batches(self._warmup, self.max_batch) if batches else []
-        steps = [("request", request) for request in self._warmup] + [("batch", group) for group in groups]
+        steps = warmup_steps(self._warmup, self.max_batch if batches else 1)
         progress.total, progress.stage = len(steps), "warmup"
         log.info({"event": "loaded", "load_s": round(t1 - t0, 3), "warmup_steps": progress.total})
         with engine.warming_up():  # every graph key captured on its first use, images and batches too
-            for kind, step in steps:
+            for step in steps:
                 step_started = time.perf_counter()
-                if kind == "request":
-                    engine.run(step)
-                else:
-                    for result in engine.run_many(step):
-                        if isinstance(result, Exception):
-                            raise result
+                run_warmup_step(engine, step)
                 progress.done += 1
                 now = time.perf_counter()
                 log.info({"event": "warmup", "done": progress.done, "total": progress.total,

@@ -65,3 +65,19 @@ def warmup_batches(requests: list[dict], max_batch: int) -> list[list[dict]]:
     # warmup_requests(True): [basic (2) | short, short, short, short, long, long, long, long | images (4)]
     return [requests[2:4], requests[6:10][:max_batch], [requests[2], requests[8], *requests[10:12]][:max_batch]]
 
+
+def warmup_steps(requests: list[dict], max_batch: int) -> list[tuple[str, dict | list[dict]]]:
+    """The warmup in order: ("request", r) for each request alone, then ("batch", group) for the
+    groups run together (`warmup_batches`; none when max_batch is 1)."""
+    return [("request", r) for r in requests] + [("batch", group) for group in warmup_batches(requests, max_batch)]
+
+
+def run_warmup_step(engine, step: tuple[str, dict | list[dict]]) -> None:
+    """One warmup step on `engine`; a request of a batch that fails raises its exception."""
+    kind, item = step
+    if kind == "request":
+        engine.run(item)
+        return
+    for result in engine.run_many(item):
+        if isinstance(result, Exception):
+            raise result
