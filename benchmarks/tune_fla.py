@@ -70,7 +70,7 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     # Every kernel whose candidates were timed must be written (a kernel missed here would be
     # autotuned at every cold start without anyone noticing).
-    timed = {kernel for kernel, tuners in fla_tuning.autotuners().items() if any(hasattr(t, "bench_time") for t in tuners)}
+    timed = {kernel for kernel, was_timed in fla_tuning.kernels_configured().items() if was_timed}
     if not timed:
         sys.exit("tune_fla: FLA timed no kernel's candidates (were they tuned before, in TRITON_CACHE_DIR?); nothing written")
     folder = args.out / fla_tuning.gpu_folder_name(name)

@@ -80,6 +80,14 @@ def autotuners() -> dict[str, list]:
     return {kernel: list(tuners.values()) for kernel, tuners in found.items()}
 
 
+def kernels_configured() -> dict[str, bool]:
+    """FLA's kernels that have a configuration chosen so far, each with whether FLA timed its
+    candidates to choose it (Triton's autotuner sets `bench_time` when it does), rather than
+    reading it from a config folder."""
+    return {kernel: any(hasattr(t, "bench_time") for t in configured)
+            for kernel, tuners in autotuners().items() if (configured := [t for t in tuners if t.cache])}
+
+
 def dump(folder: Path, device_name: str) -> dict[str, int]:
     """Write every autotuned FLA kernel's chosen configurations to `folder` in FLA's config-file
     format, and the manifest; returns entries per kernel. Kernels FLA has not tuned are left out."""

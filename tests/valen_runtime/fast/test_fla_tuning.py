@@ -82,8 +82,8 @@ def test_shipped_folders_are_in_flas_config_format(folder):
 
 
 # valen-serve's warmup on an eager fast-path engine (FLA's calls are the same compiled or not: their
-# keys are dtypes, flags and sizes), then which FLA kernels had their candidates timed (Triton's
-# autotuner sets bench_time when it does); with a folder argument, the choices are dumped there.
+# keys are dtypes, flags and sizes), then which FLA kernels had their candidates timed
+# (fla_tuning.kernels_configured); with a folder argument, the choices are dumped there.
 _WARMUP_AND_REPORT = """
 import json, sys
 from pathlib import Path
@@ -95,10 +95,10 @@ from valen_runtime.serve.warmup import warmup_requests
 engine = Engine.load(sys.argv[1], EngineOptions(compile=False, graphs=False))
 for request in warmup_requests(True):
     engine.run(request)
-used = {name: [hasattr(t, "bench_time") for t in tuners if t.cache] for name, tuners in fla_tuning.autotuners().items()}
+benchmarked = fla_tuning.kernels_configured()
 if len(sys.argv) > 2:
     fla_tuning.dump(Path(sys.argv[2]), torch.cuda.get_device_name())
-print(json.dumps({"gated_delta": engine.kernels["gated_delta"], "benchmarked": {n: any(b) for n, b in used.items() if b}}))
+print(json.dumps({"gated_delta": engine.kernels["gated_delta"], "benchmarked": benchmarked}))
 """
 
 
