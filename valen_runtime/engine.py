@@ -323,11 +323,11 @@ class Engine:
         if self.graphs is None:
             (logits,) = forward(inputs)
         else:
-            # A request's plan is reused by its padded neighbours, so its first use captures; but a
-            # plan with image or video tokens only once those sizes recur (their vision graphs are
-            # captured), and a batch's combined shape, which rarely recurs, on its second use.
+            # A plan is reused by its padded neighbours (a batch's by batches of the same prefixes and
+            # image tokens, in any order), so its first use captures; but a plan with image or video
+            # tokens only once those sizes recur (their vision graphs are captured).
             visual = [v for v in (c.state.vision_inputs for c in compiled) if v is not None]
-            first_use_captures = len(compiled) == 1 and all(vision_graph_key(v.grid_thw) in self.graphs for v in visual)
+            first_use_captures = all(vision_graph_key(v.grid_thw) in self.graphs for v in visual)
             (logits,) = self.graphs.run(plan.key, forward, inputs, capture_on_first_use=first_use_captures)
         # [K_b] per branch of every request; a bucketed plan's pad candidates follow the real ones.
         per_branch = iter(logits[: sum(plan.candidates_per_branch)].split(plan.candidates_per_branch))

@@ -357,8 +357,8 @@ def test_an_image_size_is_captured_once_it_recurs_and_text_on_its_first_use_cpu(
     """Under graph replay semantics (CPU stand-in): a text request's plan is captured on its first
     use (padding lets its neighbours reuse it); an image request's vision tower and plan run directly
     the first time its image size is seen (a size seen once captures nothing and evicts nothing) and
-    are captured the second time; a batch's combined plan is captured on its second use; every run
-    answers as the direct engine does."""
+    are captured the second time; a batch's combined plan is captured on its first use and replayed
+    for the same requests in another order; every run answers as the direct engine does."""
     from valen_runtime.engine import vision_graph_key
 
     options = EngineOptions(device="cpu", dtype="bf16", mode="shared-prefix", kernels="fast")
@@ -379,10 +379,10 @@ def test_an_image_size_is_captured_once_it_recurs_and_text_on_its_first_use_cpu(
         assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert vision_key in graphed.graphs and len(graphed.graphs) == 3 and graphed.graphs.captures == 3
     pair = [short_request, dict(short_request, state="A second and different account of the same order.")]
-    want = direct.run_many(pair)
-    for captures in (3, 4, 4):  # a batch's combined shape: direct, then captured on its second use, then replayed
-        got = graphed.run_many(pair)
-        assert graphed.graphs.captures == captures and all(r.timings["batch"] == 2 for r in got)
+    for batch in (pair, pair[::-1], pair):  # a batch's combined plan: captured on its first use, replayed in any order
+        want = direct.run_many(batch)
+        got = graphed.run_many(batch)
+        assert graphed.graphs.captures == 4 and all(r.timings["batch"] == 2 for r in got)
         assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g.logits, w.logits))
 
 
@@ -665,15 +665,17 @@ def test_run_answers_match_an_independent_computation(tiny_export, lora, dtype):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_batched_requests_answer_as_each_alone_cpu(tiny_export, batch_requests, long_video_request, dtype, roundoff_bound,
                                                    assert_truth_relative):
-    """run_many sweeps five different requests (image + long text, short text, long text, image
-    alone, video + long text) through the layers together; each one's logits are its own function, so they match
+    """run_many sweeps six different requests (image + long text, short text, long text, image
+    alone, video + long text, another short text: the two short ones share an attention group)
+    through the layers together; each one's logits are its own function, so they match
     the request run alone up to rounding: fp32 within the per-branch engine's own round-off at that
     request (engine_fp32_bound), bf16 (GEMM shapes change with the batch) within the parity gate's
     truth-relative bound of per-branch fp32, like the request alone."""
     export = tiny_export["separate"]
-    batch_requests = batch_requests + [long_video_request]
+    short = dict(batch_requests[1], state="Another customer writes: the parcel came open.")
+    batch_requests = batch_requests + [long_video_request, short]
     fast = Engine.load(export, EngineOptions(device="cpu", dtype=dtype, mode="shared-prefix", kernels="fast"))
-    assert fast.batches
+    assert fast.batches and fast.prepare_many(batch_requests).plan.shape.prefixes.count(0) == 1
     batched = fast.run_many(batch_requests)
     assert [r.timings["batch"] for r in batched] == [len(batch_requests)] * len(batch_requests)
     alone = [fast.run(r) for r in batch_requests]

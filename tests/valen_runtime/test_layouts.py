@@ -161,24 +161,27 @@ def test_packed_indices_for_several_requests():
 
 def test_several_requests_in_one_plan(setup, long_image_request, short_request):
     """Each request's rows (tokens and M-RoPE positions) and head rows in a combined plan, as in its
-    own plan; a short state joins with no prefix."""
+    own plan; the rows in one order (longest prefix first; short states, with no prefix, last and in
+    one attention group), the head rows and image features in the requests' own order."""
     compiler, config = setup
     text_long = dict(short_request, state=" ".join(["a second and much longer account of the same order"] * 9))
-    requests = [compiler.compile(r) for r in (long_image_request, short_request, text_long)]
+    requests = [compiler.compile(r) for r in (short_request, long_image_request, short_request, text_long)]
     plan = one_pass.build(requests, config)
     inputs = plan.inputs
     state_ids, suffix_ids, source, rows_pos, visual_index, head = (inputs.state_ids, inputs.suffix_ids, inputs.source, inputs.rows_pos,
                                                                   inputs.visual_index, inputs.head_index)
     P, cut, T, C, n_visual, N, n, NT, L, S, prefix_lengths = plan.shape
     cuts = [(len(c.state.input_ids) // CHUNK) * CHUNK for c in requests]
-    assert prefix_lengths == (cuts[0], 0, cuts[2]) and cuts[0] > 0 and cuts[2] > 0 and cut == cuts[0] + cuts[2]
+    assert cuts[0] == cuts[2] == 0 and 0 < cuts[1] < cuts[3]  # so the row order differs from the requests'
+    row_order = [3, 1, 0, 2]
+    assert prefix_lengths == (cuts[3], cuts[1], 0) and cut == cuts[1] + cuts[3]
     assert P == bucket(sum(len(c.state.input_ids) for c in requests)) and inputs.layout.cu_seqlens.tolist()[-1] == T and bucket(cut + T) == cut + T
-    assert inputs.layout.attention_rows.shape == (3, L) and L == bucket(L)  # attention rows per request
+    assert inputs.layout.attention_rows.shape == (3, L) and L == bucket(L)  # attention rows per group: two prefixes, the short states
     assert plan.branches_per_request == [sum(len(q.branches) for q in c.questions) for c in requests]
-    types = [t for c in requests for t in c.state.mm_token_type_ids]  # image features land on the image tokens of [all states]
+    types = [t for i in row_order for t in requests[i].state.mm_token_type_ids]  # image features land on the image tokens of [all states]
     assert n_visual == len(visual_index) > 0 and visual_index.tolist() == [i for i, t in enumerate(types) if t == 1]
     row_ids = torch.cat([state_ids[0], suffix_ids])[source].tolist()
-    # The combined head rows, request by request, as each request's own plan would read them.
+    # The combined head rows, request by request in the requests' order, as each request's own plan would read them.
     k_cand, k_branch = 0, 0
     for compiled, n_branches in zip(requests, plan.branches_per_request):
         n_cand = sum(len(br.candidate_positions) for q in compiled.questions for br in q.branches)
@@ -188,12 +191,45 @@ def test_several_requests_in_one_plan(setup, long_image_request, short_request):
         k_cand, k_branch = k_cand + n_cand, k_branch + n_branches
     # The prefixes lead, each its own request's first `cut` tokens and positions.
     row = 0
-    for compiled, c in zip(requests, prefix_lengths):
+    for compiled in (requests[3], requests[1]):
+        c = (len(compiled.state.input_ids) // CHUNK) * CHUNK
         full_pos, _ = rope_index(compiled.state.input_ids, compiled.state.mm_token_type_ids, compiled.state.image_grid_thw,
                                  config.vision_config.spatial_merge_size)
         assert row_ids[row : row + c] == compiled.state.input_ids[:c] and torch.equal(rows_pos[:, 0, row : row + c], full_pos[:, :c])
         row += c
+    # The same requests in another order: the same shape (one CUDA graph), the same rows.
+    shuffled = one_pass.build([requests[i] for i in (2, 3, 0, 1)], config)
+    assert shuffled.shape == plan.shape and torch.equal(shuffled.inputs.source, source) and torch.equal(shuffled.inputs.layout.attention_rows,
+                                                                                                      inputs.layout.attention_rows)
 
+
+
+def test_a_batch_pads_into_a_shape_up_to_its_own_rung_bound(setup, long_image_request, short_request):
+    """A combined plan may run in a captured shape up to `BATCH_RUNGS` rungs of rows above its own
+    (its batch-mates vary its sizes), one request in one rung only; beyond that, or with other
+    prefixes, neither. Padded, every real row reads as in the unbucketed plan."""
+    compiler, config = setup
+    batch = [compiler.compile(r) for r in (short_request, long_image_request, variant(short_request, 3, True))]
+    plan = one_pass.build(batch, config)
+    own = plan.shape
+    rungs = [own.cut + own.T]
+    for _ in range(one_pass.BATCH_RUNGS + 1):
+        rungs.append(bucket(rungs[-1] + 1))
+    for k, rows in enumerate(rungs[2:], start=2):
+        grown = one_pass.grow(batch, config, own, T=rows - own.cut, n=bucket(own.n + k))
+        assert grown is not None
+        padded = one_pass.pad_into(batch, config, plan, grown.shape)
+        assert (padded is not None) == (k <= one_pass.BATCH_RUNGS), k
+        if padded is not None:
+            assert padded.shape == grown.shape
+            assert_real_rows_as_plain(padded, one_pass.build(batch, config, buckets=False))
+    alone = [batch[1]]
+    alone_plan = one_pass.build(alone, config)
+    alone_own = alone_plan.shape
+    two_rungs = one_pass.grow(alone, config, alone_own, T=bucket(bucket(alone_own.cut + alone_own.T + 1) + 1) - alone_own.cut, n=bucket(alone_own.n + 2))
+    assert two_rungs is not None and one_pass.pad_into(alone, config, alone_plan, two_rungs.shape) is None  # two rungs: too far alone
+    other_prefixes = one_pass.build([batch[0], batch[2]], config).shape
+    assert one_pass.pad_into(batch, config, plan, other_prefixes) is None
 
 @pytest.mark.parametrize("prefix_layout", ["one-pass", "batch"])
 def test_a_state_under_one_chunk_runs_as_rows(setup, short_request, prefix_layout):

@@ -273,9 +273,10 @@ def make_layer_fns(cfg, delta_impl: str) -> LayerFns:
         return attention_body(x, cos, sin, w, attend)
 
     def attention_layer_one_pass(x, cos, sin, mask, rows, slots, w: AttentionWeights):
-        """Packed rows of m requests: x [1, R, H]; rows [m, L] (each request's rows, -1 pads), slots
-        [R] (each row's place in the flattened [m, L]), mask [m, 1, L, L]. With m > 1 attention runs
-        per request on its own L rows (sum of L^2 work, not R^2); m = 1 is the plain packed row. -> x."""
+        """Packed rows of m attention groups (`one_pass.OnePass`): x [1, R, H]; rows [m, L] (each
+        group's rows, -1 pads), slots [R] (each row's place in the flattened [m, L]), mask [m, 1, L, L].
+        With m > 1 attention runs per group on its own L rows (sum of L^2 work, not R^2); m = 1 is the
+        plain packed row. -> x."""
         R = x.shape[1]
 
         def attend(q, k, v):

@@ -117,8 +117,8 @@ class FastText:
     def one_pass(self, rows: torch.Tensor, position_ids: torch.Tensor, layout: OnePass) -> torch.Tensor:
         """The prefixes and every continuation in one sweep: rows [1, R, H], positions [3, 1, R] ->
         hidden [1, R, H]. Each GDN layer runs the delta rule over the prefixes from zero, then over
-        the continuations, each from its prefix's final state; attention runs per request over its
-        own rows, masked by `one_pass_mask`."""
+        the continuations, each from its prefix's final state; attention runs per group (a request
+        with a prefix, or the requests without one) over its own rows, masked by `one_pass_mask`."""
         cos, sin = self.rotary_emb(rows, position_ids)  # [1, R, R_rot]
         mask = one_pass_mask(layout, rows.dtype, rows.device)  # [m, 1, L, L]
         _, zero_state = self._zero_history(1, rows)

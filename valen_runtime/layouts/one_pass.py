@@ -7,13 +7,16 @@ multiple of 64); its branches continue from it with the state tail and their suf
 request runs this layout when its prefix holds at least K-1 rows (a whole conv history; `choose`);
 a state under 64 tokens has none and runs as rows alone, but beside other requests it joins their
 sweep, its branches running state + suffix from a zero state. Rows take their embedding from
-[all states | all suffixes].
+[all states | all suffixes]. The rows come in one order whatever the requests' order (the longest
+prefix first; the requests without one last, in one attention group, since such rows only see
+their own sequence), so a batch of the same kinds of request has the same shape in any order;
+the head rows and the image features follow the requests' own order.
 
 Padding (`ladder`): every size but the prefixes and image tokens on a rung of `bucket`, so
 requests whose questions differ a little share one shape (one CUDA graph): pad sequences
 (`pad_sequences`) continue the last request and are read by no real row, pad head rows
 (`pad_head_rows`) answer logits the engine drops, the token tables grow by entries no row reads,
-and with several requests each request's attention block is on a rung. Without buckets, one pad
+and with several requests each attention group's block is on a rung. Without buckets, one pad
 sequence rounds the packed rows up to a multiple of 8.
 """
 
@@ -36,7 +39,8 @@ name = "one-pass"
 class OnePass(NamedTuple):
     """Where the rows of a one-pass forward come from: the prefixes' P rows lead (one per request
     that has one, back to back), then every branch's continuation (its state tail and suffix) of
-    every request, packed back to back (R = P + T rows). `packed_indices` builds them."""
+    every request, packed back to back (R = P + T rows). Attention runs per group: a request with a
+    prefix, or the requests without one together. `packed_indices` builds them."""
 
     seq_ids: torch.Tensor  # [R] int64: the sequence of each row: continuation n >= 0, prefix of request g -1 - g
     offsets: torch.Tensor  # [R] int64: its position within that sequence
@@ -44,11 +48,11 @@ class OnePass(NamedTuple):
     cu_seqlens: torch.Tensor  # [n + 1] int64: the continuations' boundaries, counted from the first one
     chunk_indices: torch.Tensor  # [NT, 2] int64: (continuation, chunk) of every 64-token delta-rule chunk
     prefix_rows: torch.Tensor  # [P]: its length is the prefixes' total
-    owners: torch.Tensor  # [R] int64: the request of each row
+    owners: torch.Tensor  # [R] int64: the attention group of each row
     prefix_cu_seqlens: torch.Tensor  # [m + 1] int64: the m non-empty prefixes' boundaries
     prefix_chunk_indices: torch.Tensor  # [NTp, 2] int64: (prefix, chunk) of every 64-token chunk of the prefixes
     initial_state_index: torch.Tensor  # [n] int64: each continuation's start: 0 the zero state, i prefix i-1's final state
-    attention_rows: torch.Tensor  # [m, L] int64: each request's rows (prefix, then continuations), -1 pads to L
+    attention_rows: torch.Tensor  # [m, L] int64: each group's rows (prefix, then continuations), -1 pads to L
     attention_slots: torch.Tensor  # [R] int64: each row's place in the flattened [m, L]
 
 
@@ -75,9 +79,9 @@ class Shape(NamedTuple):
     N: int  # branches, with pad branches
     n: int  # continuation sequences (pad sequences included)
     NT: int  # 64-token chunks of the continuations
-    L: int  # attention rows per request
+    L: int  # attention rows per group
     S: int  # the suffix table's length
-    prefixes: tuple  # each request's prefix rows
+    prefixes: tuple  # each attention group's prefix rows (0: the requests without a prefix), longest first
 
 
 def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = True, into: Shape | None = None) -> Plan | None:
@@ -87,40 +91,53 @@ def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = 
     into: pad to this shape instead (a captured graph's, at least the ladder's), or return None
     when the requests do not fit it (other prefixes or image tokens, or more of any size)."""
     K = config.text_config.linear_conv_kernel_dim
-    state_ids, suffix_ids, images = [], [], []
-    prefix_sources, prefix_pos, cont_sources, cont_pos = [], [], [], []
-    groups, branch_lists, cand_counts, branch_counts = [], [], [], []
-    state_offset = 0
+    cuts = []
     for compiled in requests:
+        P = len(compiled.state.input_ids)
+        cut = (P // CHUNK) * CHUNK
+        cuts.append(cut if cut >= K - 1 else 0)
+    # Rows in one order whatever the requests' order, so that batches of the same requests share a
+    # shape: the longest prefixes first (stable); requests without a prefix last, in one group.
+    order = sorted(range(len(requests)), key=lambda i: -cuts[i])
+    state_ids, suffix_ids = [], []
+    prefix_sources, prefix_pos, cont_sources, cont_pos = [], [], [], []
+    groups = []  # (prefix rows, continuation lengths) per attention group
+    images, starts = {}, {}  # per request (its index in `requests`): visual tokens; its branches' first rows
+    state_offset = 0
+    for i in order:
+        compiled, cut = requests[i], cuts[i]
         st = compiled.state
         P = len(st.input_ids)
-        cut = (P // CHUNK) * CHUNK
-        cut = cut if cut >= K - 1 else 0
         positions, next_pos = state_positions(compiled, config)
-        branches = branches_of(compiled)
         prefix_sources.append(torch.arange(state_offset, state_offset + cut))
         prefix_pos.append(positions[:, :cut])
         lengths = []
-        for br in branches:
+        for br in branches_of(compiled):
             n = len(br.suffix_ids)
             lengths.append(P - cut + n)
             # suffix tokens are numbered from 0 here and shifted past all states below
             cont_sources += [torch.arange(state_offset + cut, state_offset + P), -1 - torch.arange(len(suffix_ids), len(suffix_ids) + n)]
             cont_pos += [positions[:, cut:], torch.arange(next_pos, next_pos + n).view(1, -1).expand(3, -1)]
             suffix_ids += br.suffix_ids
-        groups.append((cut, lengths))
-        branch_lists.append(branches)
-        cand_counts += [len(br.candidate_positions) for br in branches]
-        branch_counts.append(len(branches))
+        # Branches without a prefix start from the zero state and attend to their own rows only, so
+        # the prefix-less requests can share one attention group (one prefix entry in the key).
+        if cut == 0 and groups and groups[-1][0] == 0:
+            starts[i] = (len(groups) - 1, len(groups[-1][1]))
+            groups[-1][1].extend(lengths)
+        else:
+            starts[i] = (len(groups), 0)
+            groups.append((cut, lengths))
         state_ids += st.input_ids
-        images.append(visual_index(compiled) + state_offset)
+        images[i] = visual_index(compiled) + state_offset
         state_offset += P
     pad_id = requests[-1].questions[0].branches[0].suffix_ids[-1]
     real_lengths = [n for _, lengths in groups for n in lengths]
     if into is not None:
-        n_visual = sum(len(i) for i in images)
+        n_visual = sum(len(index) for index in images.values())
+        n_branches = sum(len(branches_of(c)) for c in requests)
+        n_candidates = sum(len(br.candidate_positions) for c in requests for br in branches_of(c))
         if (into.cut, into.prefixes, into.n_visual) != (sum(cut for cut, _ in groups), tuple(cut for cut, _ in groups), n_visual) \
-                or into.P < len(state_ids) or into.C < sum(cand_counts) or into.N < len(cand_counts):
+                or into.P < len(state_ids) or into.C < n_candidates or into.N < n_branches:
             return None
         pads = fit_sequences(real_lengths, into.T, into.n, into.NT)
         if pads is None or into.S < len(suffix_ids) + sum(pads):
@@ -147,23 +164,27 @@ def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = 
     cont = torch.cat(cont_sources)
     source = torch.cat(prefix_sources + [torch.where(cont < 0, n_state - 1 - cont, cont)])  # [total_cut + T]
     rows_pos = torch.cat(prefix_pos + cont_pos, dim=1)[:, None, :]  # [3, 1, total_cut + T]
-    # Head rows: each branch's first row (absolute position = its request's cut) in the packed part.
-    starts, firsts, k = [], [], total_cut
-    for (cut, lengths), branches in zip(groups, branch_lists):
-        for n in lengths[: len(branches)]:
-            starts.append(k)
-            firsts.append(cut)
+    # Head rows, in the requests' own order: each branch's first row (absolute position = its
+    # request's cut) in the packed part.
+    group_rows = list(itertools.accumulate((sum(lengths) for _, lengths in groups), initial=total_cut))  # each group's first row
+    all_branches, head_starts, firsts = [], [], []
+    for i, compiled in enumerate(requests):
+        g, first_sequence = starts[i]
+        k = group_rows[g] + sum(groups[g][1][:first_sequence])
+        for br, n in zip(branches_of(compiled), groups[g][1][first_sequence:]):
+            all_branches.append(br)
+            head_starts.append(k)
+            firsts.append(cuts[i])
             k += n
-    all_branches = [br for branches in branch_lists for br in branches]
-    head_index, C = head_rows(all_branches, starts, firsts)
+    head_index, C = head_rows(all_branches, head_starts, firsts)
     N = len(all_branches)
     if into is not None:
         head_index, C, N = pad_head_rows(head_index, C, N, into=(into.C, into.N))
     elif buckets:
         head_index, C, N = pad_head_rows(head_index, C, N)
-    images = torch.cat(images)
+    images = torch.cat([images[i] for i in range(len(requests))])  # the vision features come in request order
     cont_lengths = [n for _, lengths in groups for n in lengths]
-    # Attention runs per request over L rows when there are several (fast.layers); alone, over the row.
+    # Attention runs per group over L rows when there are several (fast.layers); alone, over the row.
     L = max(cut + sum(lengths) for cut, lengths in groups)
     if into is not None:
         if into.L < L:
@@ -176,18 +197,29 @@ def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = 
                   len(suffix_ids), tuple(cut for cut, _ in groups))
     assert into is None or shape == into, (shape, into)
     inputs = Inputs(torch.tensor([state_ids]), torch.tensor(suffix_ids, dtype=torch.int64), source, rows_pos, images, head_index, layout)
-    return Plan(name, inputs, shape, cand_counts, branch_counts)
+    cand_counts = [len(br.candidate_positions) for br in all_branches]
+    return Plan(name, inputs, shape, cand_counts, [len(branches_of(c)) for c in requests])
 
 
 def rows_swept(shape: Shape) -> int:
     """The rows a plan of this shape sweeps through the layers (what it costs)."""
     return shape.cut + shape.T
 
+# A combined plan (several requests) may run in a captured shape up to this many rungs of rows above
+# its own (about 40 % more rows): its batch-mates vary its sizes more than one request's questions
+# do, and a direct run of it (launch-bound, tens of ms) costs more than sweeping those rows.
+BATCH_RUNGS = 3
+
+
 def pad_into(requests: list[CompiledRequest], config: ModelConfig, plan: Plan, shape: Shape) -> Plan | None:
     """`plan`'s requests padded into a captured graph's `shape` when it sweeps at most one rung more
-    rows (at most an eighth more rows; docs/runtime.md says what that bounds), else None."""
+    rows (at most an eighth more rows; docs/runtime.md says what that bounds), or `BATCH_RUNGS`
+    rungs for several requests, else None."""
     own = plan.shape
-    if not own.cut + own.T <= shape.cut + shape.T <= bucket(own.cut + own.T + 1) \
+    most = bucket(own.cut + own.T + 1)
+    for _ in range(BATCH_RUNGS - 1 if len(requests) > 1 else 0):
+        most = bucket(most + 1)
+    if not own.cut + own.T <= shape.cut + shape.T <= most \
             or (shape.cut, shape.prefixes, shape.n_visual) != (own.cut, own.prefixes, own.n_visual) \
             or shape.C < sum(plan.candidates_per_branch) or shape.N < len(plan.candidates_per_branch) \
             or shape.n <= len(plan.candidates_per_branch):  # a continuation per branch, and a pad
@@ -251,7 +283,7 @@ def packed_indices(groups: list[tuple[int, list[int]]], K: int, attention_length
     taps = torch.stack([torch.where(offsets + j >= K - 1, rows + j, history + offsets + j) for j in range(K)])  # [K, R]
     cont_lengths = [length for _, lengths in groups for length in lengths]
     prefix_lengths = [cut for cut, _ in groups if cut]
-    # Attention per request: its rows in order (prefix, then continuations), padded with -1 to the
+    # Attention per group: its rows in order (prefix, then continuations), padded with -1 to the
     # longest request's count L; slots: where each row lands in the flattened [m, L].
     per_group = [torch.nonzero(owners == g).view(-1) for g in range(len(groups))]
     L = max(len(r) for r in per_group)
@@ -293,7 +325,7 @@ def forward(text, head, shape: Shape, inputs: Inputs) -> tuple[torch.Tensor]:
 
 
 def one_pass_mask(layout: OnePass, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive mask [m, 1, L, L] over each request's rows (`attention_rows`): a prefix row sees its
+    """Additive mask [m, 1, L, L] over each group's rows (`attention_rows`): a prefix row sees its
     prefix's earlier rows; a continuation row sees its request's whole prefix and its own sequence
     causally; a pad slot is seen by none and sees itself only (so no row is empty)."""
     rows = layout.attention_rows
