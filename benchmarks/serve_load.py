@@ -106,7 +106,8 @@ class Server:
         # stdout joins the log (stderr): what libraries print there (Triton's autotuning lines) is kept too
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[dict] = []
-        self.timings: list[tuple[float, float, float, int]] = []  # (ms, queue_ms, run_ms, batch) of answered requests, from the server's log
+        # (ms, queue_ms, run_ms, prepare_ms, model_ms, batch, graph) of answered requests, from the server's log
+        self.timings: list[tuple] = []
         self._lock = threading.Lock()
         self.ready = threading.Event()
         threading.Thread(target=self._collect, daemon=True).start()
@@ -128,20 +129,28 @@ class Server:
                 self.lines.append(line)
             elif line.get("status") == 200:
                 with self._lock:
-                    self.timings.append((line["ms"], line["queue_ms"], line["run_ms"], line.get("batch", 1)))
+                    self.timings.append((line["ms"], line["queue_ms"], line["run_ms"], line.get("prepare_ms", 0.0), line.get("model_ms", 0.0),
+                                         line.get("batch", 1), line.get("graph")))
             if line.get("event") == "ready":
                 self.ready.set()
         self.ready.set()
 
     def take_timings(self) -> dict:
-        """Server-side percentiles (the log's ms, queue_ms, run_ms) of the requests answered since the
-        last call, and how many requests each ran with (its sweep's size)."""
+        """Server-side percentiles (the log's ms, queue_ms, run_ms, and the engine's prepare_ms, its
+        batch's host work, and model_ms, its device work queued and awaited) of the requests answered
+        since the last call, how many requests each ran with (its sweep's size), and how many
+        requests' plans replayed a CUDA graph, captured one or ran directly (with model_ms p50 each)."""
         time.sleep(0.2)  # a request's log line follows its answer
         with self._lock:
             taken, self.timings = self.timings, []
-        out = {name: summarize([t[i] / 1e3 for t in taken]) for i, name in enumerate(("total", "queue", "run"))}
-        batches = [t[3] for t in taken]
+        out = {name: summarize([t[i] / 1e3 for t in taken]) for i, name in enumerate(("total", "queue", "run", "prepare", "model"))}
+        batches = [t[5] for t in taken]
         out["batch"] = {"mean": round(statistics.fmean(batches), 3), "max": max(batches)} if batches else {}
+        runs: dict = {}
+        for t in taken:
+            if t[6] is not None:
+                runs.setdefault(t[6], []).append(t[4])
+        out["graph"] = {how: {"requests": len(ms), "model_p50_ms": round(statistics.median(ms), 3)} for how, ms in sorted(runs.items())}
         return out
 
     def memory_mib(self) -> tuple[float, float]:
@@ -360,7 +369,8 @@ def main() -> None:
             lat, srv = phase["latency"]["all"], phase["server_side"]
             print(f"concurrency {concurrency:>3}: {phase['answered']} answered in {phase['wall_s']} s, {phase['requests_per_s']} req/s, "
                   f"p50 {lat.get('p50_ms')} ms, p99 {lat.get('p99_ms')} ms (server: run p50 {srv['run'].get('p50_ms')} ms, "
-                  f"queue p99 {srv['queue'].get('p99_ms')} ms, batch {srv['batch']}), x{phase.get('requests_per_s_vs_concurrency_1', '-')} of "
+                  f"queue p99 {srv['queue'].get('p99_ms')} ms, prepare p50 {srv['prepare'].get('p50_ms')} ms, model p50 {srv['model'].get('p50_ms')} ms, "
+                  f"batch {srv['batch']}, graph {srv['graph']}), x{phase.get('requests_per_s_vs_concurrency_1', '-')} of "
                   f"concurrency 1, p99/p50 {phase.get('p99_over_p50')}, statuses {phase['statuses']}, answers {phase['answer_variants']}", flush=True)
 
         samples = []

@@ -200,6 +200,8 @@ class Engine:
         """Queue the device work of a prepared batch (not awaited on CUDA; `collect` waits)."""
         t0 = time.perf_counter()
         ready = batch.ready
+        if self.graphs is not None:
+            self.graphs.last_run = None
         try:
             if isinstance(batch.plan, Plan):
                 batch.logits = self.execute_plan_many([c for c, _ in ready], batch.plan, [f for _, f in ready])
@@ -210,6 +212,9 @@ class Engine:
         except Exception as exc:
             batch.error = exc
         batch.timings["launch_s"] = time.perf_counter() - t0
+        if self.graphs is not None and self.graphs.last_run is not None:
+            # how the text stack ran: "replay", "capture" or "direct" (a batch of one's own plan, or the last request's)
+            batch.timings["graph"] = self.graphs.last_run
         return batch
 
     def collect(self, batch: "Batch") -> list[RunResult | Exception]:
@@ -224,9 +229,12 @@ class Engine:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         # prepare_s: host work of the whole batch (parsing, decoding, tokenizing, the plan);
-        # model_s: queuing its device work and waiting for it; batch: requests in the sweep.
+        # model_s: queuing its device work and waiting for it; batch: requests in the sweep;
+        # graph (with CUDA graphs): whether its plan replayed a graph, captured one or ran directly.
         timings = {"prepare_s": batch.timings["prepare_s"], "model_s": batch.timings["launch_s"] + time.perf_counter() - t0,
                    "batch": len(batch.ready) if isinstance(batch.plan, Plan) else 1}
+        if "graph" in batch.timings:
+            timings["graph"] = batch.timings["graph"]
         out, logits = [], iter(batch.logits)
         for p in batch.prepared:
             out.append(p if isinstance(p, Exception) else self.finish(p[0], next(logits), dict(timings)))

@@ -39,6 +39,7 @@ class GraphCache:
         self.max_graphs = max_graphs
         self.seen: OrderedDict = OrderedDict()  # keys run directly once, not captured; oldest first, bounded
         self.every_first_use = False  # set by capturing_first_uses()
+        self.last_run: str | None = None  # what the latest `run` did: "replay", "capture" or "direct"
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -63,15 +64,18 @@ class GraphCache:
         entry = self.graphs.get(key)
         if entry is not None:
             self.graphs.move_to_end(key)
+            self.last_run = "replay"
         elif not (capture_on_first_use or self.every_first_use) and key not in self.seen:
             self.seen[key] = None
             while len(self.seen) > 4 * self.max_graphs:
                 self.seen.popitem(last=False)
+            self.last_run = "direct"
             return fn(inputs)
         else:
             self.seen.pop(key, None)
             structure = skeleton(inputs)  # the graph keeps the structure, not these tensors
             entry = self._capture(key, lambda *tensors: fn(rebuild(structure, iter(tensors))), list(leaves(inputs)))
+            self.last_run = "capture"
         graph, static_in, static_out, _ = entry
         for dst, src in zip(static_in, leaves(inputs), strict=True):
             dst.copy_(src, non_blocking=True)

@@ -136,8 +136,11 @@ class WorkerApp:
         record.update(
             input_tokens=response["usage"]["input_tokens"], compute_tokens=response["internal_usage"]["compute_tokens"],
             queue_ms=round((job.started_at - job.queued_at) * 1e3, 3), run_ms=round((time.perf_counter() - job.started_at) * 1e3, 3),
-            batch=job.batch,
+            batch=job.batch, prepare_ms=round(result.timings.get("prepare_s", 0.0) * 1e3, 3),
+            model_ms=round(result.timings.get("model_s", 0.0) * 1e3, 3),
         )
+        if "graph" in result.timings:
+            record["graph"] = result.timings["graph"]
         return response_body(response)
 
 

@@ -190,11 +190,12 @@ def test_a_key_reused_only_by_its_own_size_runs_directly_first_and_captures_on_i
     first = torch.full((2,), 2.0)
     (out,) = cache.run(("vision", 1), fn, first, capture_on_first_use=False)
     assert torch.equal(out, torch.full((2,), 6.0)) and calls[-1] is first  # direct, on the caller's tensor
-    assert list(cache.keys()) == ["text"] and FakeGraph.captures == 1  # nothing captured, nothing evicted
+    assert list(cache.keys()) == ["text"] and FakeGraph.captures == 1 and cache.last_run == "direct"  # nothing captured, nothing evicted
     (out,) = cache.run(("vision", 1), fn, torch.full((2,), 5.0), capture_on_first_use=False)
     assert torch.equal(out, torch.full((2,), 15.0)) and list(cache.keys()) == [("vision", 1)] and FakeGraph.captures == 2
+    assert cache.last_run == "capture"
     (again,) = cache.run(("vision", 1), fn, torch.full((2,), 7.0), capture_on_first_use=False)
-    assert again is out and torch.equal(again, torch.full((2,), 21.0)) and FakeGraph.captures == 2  # a replay
+    assert again is out and torch.equal(again, torch.full((2,), 21.0)) and FakeGraph.captures == 2 and cache.last_run == "replay"
     for size in range(100):  # sizes seen once: remembered up to 4 x max_graphs, oldest forgotten first
         cache.run(("vision", 100 + size), fn, torch.ones(1), capture_on_first_use=False)
     assert list(cache.seen) == [("vision", 100 + size) for size in range(96, 100)] and FakeGraph.captures == 2
