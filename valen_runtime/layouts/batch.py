@@ -55,7 +55,7 @@ def build(compiled: CompiledRequest, config: ModelConfig) -> Plan:
     rows_pos = torch.cat([positions[:, None, cut:].expand(3, N, -1), suffix_pos], dim=2)  # [3, N, L]
     head_index, C = head_rows(branches, [k * L for k in range(N)], [cut] * N)  # rows of the flattened [N * L, H]
     inputs = Inputs(torch.tensor([st.input_ids]), positions[:, None, :cut], suffix_ids, rows_pos, images, head_index)
-    return Plan(name, inputs, Shape(P, cut, N, L, C, len(images)), [len(br.candidate_positions) for br in branches], [N])
+    return Plan(name, lambda: inputs, Shape(P, cut, N, L, C, len(images)), [len(br.candidate_positions) for br in branches], [N])
 
 
 def rows_swept(shape: Shape) -> int:

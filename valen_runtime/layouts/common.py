@@ -3,8 +3,9 @@ visual (image or video) tokens on the host, and the head rows (built on the host
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -21,13 +22,18 @@ class Plan:
     """One or more requests' shared-prefix work as built on the host: which layout runs it
     (`layouts.LAYOUTS[kind]`), its named inputs (int64 tensors; `features`, the vision tower's
     output, joins them on the device) and its shape, from which every tensor shape and kernel
-    grid of the layout's forward follows."""
+    grid of the layout's forward follows. The inputs are built on first use: a plan that the graph
+    policy pads into a captured shape (`layouts.graph_plan`) needs only its shape."""
 
     kind: str  # "rows", "batch" or "one-pass"
-    inputs: NamedTuple  # the layout's Inputs, features None
+    build_inputs: Callable[[], NamedTuple]  # -> the layout's Inputs, features None
     shape: NamedTuple  # the layout's Shape
     candidates_per_branch: list[int]  # every branch of every request, in request order
     branches_per_request: list[int]
+
+    @functools.cached_property
+    def inputs(self) -> NamedTuple:
+        return self.build_inputs()
 
     @property
     def key(self) -> tuple:

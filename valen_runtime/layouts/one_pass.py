@@ -31,7 +31,7 @@ import torch
 from ..config import ModelConfig
 from ..request import CompiledRequest
 from .common import CHUNK, Plan, branches_of, head_logits, head_rows, visual_index, state_embeds, state_positions
-from .ladder import bucket, fit_sequences, pad_head_rows, pad_sequences
+from .ladder import bucket, chunks, fit_sequences, pad_head_rows, pad_sequences
 
 name = "one-pass"
 
@@ -91,18 +91,74 @@ def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = 
     into: pad to this shape instead (a captured graph's, at least the ladder's), or return None
     when the requests do not fit it (other prefixes or image tokens, or more of any size)."""
     K = config.text_config.linear_conv_kernel_dim
+    branches = [branches_of(c) for c in requests]
     cuts = []
     for compiled in requests:
-        P = len(compiled.state.input_ids)
-        cut = (P // CHUNK) * CHUNK
+        cut = (len(compiled.state.input_ids) // CHUNK) * CHUNK
         cuts.append(cut if cut >= K - 1 else 0)
     # Rows in one order whatever the requests' order, so that batches of the same requests share a
     # shape: the longest prefixes first (stable); requests without a prefix last, in one group.
     order = sorted(range(len(requests)), key=lambda i: -cuts[i])
+    # The sizes first (cheap), so a shape the requests do not fit is refused before any tensor work.
+    groups = []  # (prefix rows, continuation lengths) per attention group, in row order
+    starts = {}  # per request (its index in `requests`): its group and its first sequence in it
+    for i in order:
+        lengths = [len(requests[i].state.input_ids) - cuts[i] + len(br.suffix_ids) for br in branches[i]]
+        # Branches without a prefix start from the zero state and attend to their own rows only, so
+        # the prefix-less requests can share one attention group (one prefix entry in the key).
+        if cuts[i] == 0 and groups and groups[-1][0] == 0:
+            starts[i] = (len(groups) - 1, len(groups[-1][1]))
+            groups[-1][1].extend(lengths)
+        else:
+            starts[i] = (len(groups), 0)
+            groups.append((cuts[i], lengths))
+    real_lengths = [n for _, lengths in groups for n in lengths]
+    total_cut, prefixes = sum(cut for cut, _ in groups), tuple(cut for cut, _ in groups)
+    state_tokens = sum(len(c.state.input_ids) for c in requests)
+    n_suffix = sum(len(br.suffix_ids) for bs in branches for br in bs)
+    n_branches, n_candidates = sum(map(len, branches)), sum(len(br.candidate_positions) for bs in branches for br in bs)
+    n_visual = sum(1 for c in requests for t in c.state.mm_token_type_ids if t != 0)
+    if into is not None:
+        if (into.cut, into.prefixes, into.n_visual) != (total_cut, prefixes, n_visual) \
+                or into.P < state_tokens or into.C < n_candidates or into.N < n_branches:
+            return None
+        pads = fit_sequences(real_lengths, into.T, into.n, into.NT)
+        if pads is None or into.S < n_suffix + sum(pads) \
+                or into.L < max(cut + sum(lengths) + (sum(pads) if g == len(groups) - 1 else 0) for g, (cut, lengths) in enumerate(groups)):
+            return None
+    elif buckets:
+        pads = pad_sequences(real_lengths, prefix_rows=total_cut)
+    else:
+        pads = [-sum(real_lengths) % 8] if sum(real_lengths) % 8 else []
+    # The pad sequences continue the last group (its attention rows, its prefix's state); their
+    # rows read pad tokens placed after the suffixes, at positions from 0 (any valid ones).
+    groups[-1] = (groups[-1][0], groups[-1][1] + pads)
+    # The shape, from the sizes alone: the graph policy may pad this plan into a captured shape
+    # (`graph_plan`), and then its tensors are never built.
+    cont_lengths = [n for _, lengths in groups for n in lengths]
+    L = max(cut + sum(lengths) for cut, lengths in groups)  # attention rows of the largest group
+    if into is not None:
+        shape = into
+    else:
+        fit = bucket if buckets else (lambda size: size)
+        shape = Shape(fit(state_tokens), total_cut, sum(cont_lengths), fit(n_candidates), n_visual, fit(n_branches), len(cont_lengths),
+                      sum(chunks(n) for n in cont_lengths), bucket(L) if buckets and len(groups) > 1 else L, fit(n_suffix + sum(pads)), prefixes)
+    cand_counts = [len(br.candidate_positions) for bs in branches for br in bs]
+    return Plan(name, lambda: _inputs(requests, config, shape, order, cuts, branches, groups, starts, pads), shape, cand_counts,
+                [len(bs) for bs in branches])
+
+
+def _inputs(requests: list[CompiledRequest], config: ModelConfig, shape: Shape, order: list[int], cuts: list[int], branches: list,
+            groups: list, starts: dict, pads: list[int]) -> Inputs:
+    """`build`'s tensors for its sizes: the requests' rows in `order`, `groups` (pads included) and
+    `starts` as `build` laid them out, padded to `shape`."""
+    K = config.text_config.linear_conv_kernel_dim
+    total_cut = shape.cut
+
+    # The rows' tokens and positions, in row order.
     state_ids, suffix_ids = [], []
     prefix_sources, prefix_pos, cont_sources, cont_pos = [], [], [], []
-    groups = []  # (prefix rows, continuation lengths) per attention group
-    images, starts = {}, {}  # per request (its index in `requests`): visual tokens; its branches' first rows
+    images = {}  # per request: its visual tokens in [all states]
     state_offset = 0
     for i in order:
         compiled, cut = requests[i], cuts[i]
@@ -111,56 +167,25 @@ def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = 
         positions, next_pos = state_positions(compiled, config)
         prefix_sources.append(torch.arange(state_offset, state_offset + cut))
         prefix_pos.append(positions[:, :cut])
-        lengths = []
-        for br in branches_of(compiled):
+        for br in branches[i]:
             n = len(br.suffix_ids)
-            lengths.append(P - cut + n)
             # suffix tokens are numbered from 0 here and shifted past all states below
             cont_sources += [torch.arange(state_offset + cut, state_offset + P), -1 - torch.arange(len(suffix_ids), len(suffix_ids) + n)]
             cont_pos += [positions[:, cut:], torch.arange(next_pos, next_pos + n).view(1, -1).expand(3, -1)]
             suffix_ids += br.suffix_ids
-        # Branches without a prefix start from the zero state and attend to their own rows only, so
-        # the prefix-less requests can share one attention group (one prefix entry in the key).
-        if cut == 0 and groups and groups[-1][0] == 0:
-            starts[i] = (len(groups) - 1, len(groups[-1][1]))
-            groups[-1][1].extend(lengths)
-        else:
-            starts[i] = (len(groups), 0)
-            groups.append((cut, lengths))
         state_ids += st.input_ids
         images[i] = visual_index(compiled) + state_offset
         state_offset += P
     pad_id = requests[-1].questions[0].branches[0].suffix_ids[-1]
-    real_lengths = [n for _, lengths in groups for n in lengths]
-    if into is not None:
-        n_visual = sum(len(index) for index in images.values())
-        n_branches = sum(len(branches_of(c)) for c in requests)
-        n_candidates = sum(len(br.candidate_positions) for c in requests for br in branches_of(c))
-        if (into.cut, into.prefixes, into.n_visual) != (sum(cut for cut, _ in groups), tuple(cut for cut, _ in groups), n_visual) \
-                or into.P < len(state_ids) or into.C < n_candidates or into.N < n_branches:
-            return None
-        pads = fit_sequences(real_lengths, into.T, into.n, into.NT)
-        if pads is None or into.S < len(suffix_ids) + sum(pads):
-            return None
-    elif buckets:
-        pads = pad_sequences(real_lengths, prefix_rows=sum(cut for cut, _ in groups))
-    else:
-        pads = [-sum(real_lengths) % 8] if sum(real_lengths) % 8 else []
-    # The pad sequences continue the last request (its attention rows, its prefix's state); their
-    # rows read pad tokens placed after the suffixes, at positions from 0 (any valid ones).
-    groups[-1] = (groups[-1][0], groups[-1][1] + pads)
     for pad in pads:
         cont_sources.append(-1 - torch.arange(len(suffix_ids), len(suffix_ids) + pad))
         cont_pos.append(torch.arange(0, pad).view(1, -1).expand(3, -1))
         suffix_ids += [pad_id] * pad
-    if into is not None:  # the token tables at the shape's lengths: the extra entries are read by no row
-        state_ids += [pad_id] * (into.P - len(state_ids))
-        suffix_ids += [pad_id] * (into.S - len(suffix_ids))
-    elif buckets:  # token tables on rungs too
-        state_ids += [pad_id] * (bucket(len(state_ids)) - len(state_ids))
-        suffix_ids += [pad_id] * (bucket(len(suffix_ids)) - len(suffix_ids))
+    # the token tables at the shape's lengths (rungs, or a captured shape's): the extra entries are read by no row
+    state_ids += [pad_id] * (shape.P - len(state_ids))
+    suffix_ids += [pad_id] * (shape.S - len(suffix_ids))
     # Suffix token i sits at n_state + i of [states | suffixes]; it was written as -1 - i above.
-    n_state, total_cut = len(state_ids), sum(cut for cut, _ in groups)
+    n_state = len(state_ids)
     cont = torch.cat(cont_sources)
     source = torch.cat(prefix_sources + [torch.where(cont < 0, n_state - 1 - cont, cont)])  # [total_cut + T]
     rows_pos = torch.cat(prefix_pos + cont_pos, dim=1)[:, None, :]  # [3, 1, total_cut + T]
@@ -168,42 +193,27 @@ def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = 
     # request's cut) in the packed part.
     group_rows = list(itertools.accumulate((sum(lengths) for _, lengths in groups), initial=total_cut))  # each group's first row
     all_branches, head_starts, firsts = [], [], []
-    for i, compiled in enumerate(requests):
+    for i in range(len(requests)):
         g, first_sequence = starts[i]
         k = group_rows[g] + sum(groups[g][1][:first_sequence])
-        for br, n in zip(branches_of(compiled), groups[g][1][first_sequence:]):
+        for br, n in zip(branches[i], groups[g][1][first_sequence:]):
             all_branches.append(br)
             head_starts.append(k)
             firsts.append(cuts[i])
             k += n
     head_index, C = head_rows(all_branches, head_starts, firsts)
-    N = len(all_branches)
-    if into is not None:
-        head_index, C, N = pad_head_rows(head_index, C, N, into=(into.C, into.N))
-    elif buckets:
-        head_index, C, N = pad_head_rows(head_index, C, N)
+    head_index, C, N = pad_head_rows(head_index, C, len(all_branches), into=(shape.C, shape.N))
     images = torch.cat([images[i] for i in range(len(requests))])  # the vision features come in request order
-    cont_lengths = [n for _, lengths in groups for n in lengths]
-    # Attention runs per group over L rows when there are several (fast.layers); alone, over the row.
-    L = max(cut + sum(lengths) for cut, lengths in groups)
-    if into is not None:
-        if into.L < L:
-            return None
-        attention_length = into.L
-    else:
-        attention_length = bucket(L) if buckets and len(groups) > 1 else L
-    layout = packed_indices(groups, K, attention_length=attention_length)
-    shape = Shape(n_state, total_cut, sum(cont_lengths), C, len(images), N, len(cont_lengths), len(layout.chunk_indices), attention_length,
-                  len(suffix_ids), tuple(cut for cut, _ in groups))
-    assert into is None or shape == into, (shape, into)
-    inputs = Inputs(torch.tensor([state_ids]), torch.tensor(suffix_ids, dtype=torch.int64), source, rows_pos, images, head_index, layout)
-    cand_counts = [len(br.candidate_positions) for br in all_branches]
-    return Plan(name, inputs, shape, cand_counts, [len(branches_of(c)) for c in requests])
+    layout = packed_indices(groups, K, attention_length=shape.L)
+    assert (len(state_ids), total_cut, int(layout.cu_seqlens[-1]), C, len(images), N, len(layout.cu_seqlens) - 1, len(layout.chunk_indices),
+            len(suffix_ids)) == (shape.P, shape.cut, shape.T, shape.C, shape.n_visual, shape.N, shape.n, shape.NT, shape.S), shape
+    return Inputs(torch.tensor([state_ids]), torch.tensor(suffix_ids, dtype=torch.int64), source, rows_pos, images, head_index, layout)
 
 
 def rows_swept(shape: Shape) -> int:
     """The rows a plan of this shape sweeps through the layers (what it costs)."""
     return shape.cut + shape.T
+
 
 # A combined plan (several requests) may run in a captured shape up to this many rungs of rows above
 # its own (about 40 % more rows): its batch-mates vary its sizes more than one request's questions

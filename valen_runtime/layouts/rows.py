@@ -63,7 +63,8 @@ def build(compiled: CompiledRequest, config: ModelConfig, into: Shape | None = N
     assert N_head == N
     shape = Shape(N, L, C, len(images) // N)
     assert into is None or shape == into, (shape, into)
-    return Plan(name, Inputs(row_ids, rows_pos, images, head_index), shape, [len(br.candidate_positions) for br in branches], [len(branches)])
+    inputs = Inputs(row_ids, rows_pos, images, head_index)
+    return Plan(name, lambda: inputs, shape, [len(br.candidate_positions) for br in branches], [len(branches)])
 
 
 def _two_rungs_up(L: int) -> int:
