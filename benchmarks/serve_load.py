@@ -129,7 +129,7 @@ class Server:
                 self.lines.append(line)
             elif line.get("status") == 200:
                 with self._lock:
-                    self.timings.append((line["ms"], line["queue_ms"], line["run_ms"], line.get("prepare_ms", 0.0), line.get("model_ms", 0.0),
+                    self.timings.append((line["ms"], line["queue_ms"], line["run_ms"], line.get("prepare_ms"), line.get("model_ms"),
                                          line.get("batch", 1), line.get("graph")))
             if line.get("event") == "ready":
                 self.ready.set()
@@ -143,12 +143,12 @@ class Server:
         time.sleep(0.2)  # a request's log line follows its answer
         with self._lock:
             taken, self.timings = self.timings, []
-        out = {name: summarize([t[i] / 1e3 for t in taken]) for i, name in enumerate(("total", "queue", "run", "prepare", "model"))}
+        out = {name: summarize([t[i] / 1e3 for t in taken if t[i] is not None]) for i, name in enumerate(("total", "queue", "run", "prepare", "model"))}
         batches = [t[5] for t in taken]
         out["batch"] = {"mean": round(statistics.fmean(batches), 3), "max": max(batches)} if batches else {}
         runs: dict = {}
         for t in taken:
-            if t[6] is not None:
+            if t[6] is not None and t[4] is not None:
                 runs.setdefault(t[6], []).append(t[4])
         out["graph"] = {how: {"requests": len(ms), "model_p50_ms": round(statistics.median(ms), 3)} for how, ms in sorted(runs.items())}
         return out

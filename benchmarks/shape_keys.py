@@ -150,7 +150,10 @@ def serve_batches(compiler, config, n: int, sizes=(5, 6, 6, 7, 7, 8, 8)) -> dict
     arrivals interleave), taken in batches of `sizes` in turn, each batch's combined plan through
     `graph_plan` with the engine's policy for batches (captured on first use): how many batches
     replayed a captured graph and how many captured one, and the host time of each batch's plan
-    (its shape, graph_plan, the served plan's tensors). The graph cache's bound (64) is applied."""
+    (its shape, graph_plan, the served plan's tensors). The graph cache's bound (64) is applied to
+    these keys alone; not modelled: the engine's wait for an image size to recur before capturing
+    a plan with it, and the single requests' and vision towers' graphs sharing the cache, so a
+    server replays somewhat fewer batches than this."""
     import random
 
     from serve_load import KINDS, parse_mix

@@ -57,7 +57,7 @@ class Batch:
     """Requests between `Engine.prepare_many`, `launch` and `collect`."""
 
     prepared: list  # per request: (compiled, vision features or None), or the exception it raised
-    plan: Plan | Exception | None  # the combined one-pass plan; None: each request runs alone
+    plan: Plan | Exception | None  # as it runs (`Engine.served_plan`): one request's, or several's one-pass plan; None: each runs alone
     timings: dict
     logits: list | None = None  # per ready request, per question [K] fp32 on the device, once launched
     error: Exception | None = None  # what the launch raised
@@ -171,7 +171,8 @@ class Engine:
 
     def prepare_many(self, requests: list[dict]) -> "Batch":
         """The host work of run_many: every request compiled (its vision tower queued), a request
-        that fails keeping its exception, and the combined plan where the engine batches."""
+        that fails keeping its exception, and in shared-prefix mode the plan as it will run (one
+        request's, or the combined plan where the engine batches), its tensors built."""
         t0 = time.perf_counter()
         prepared: list[tuple[CompiledRequest, torch.Tensor | None] | Exception] = []
         for request in requests:
@@ -186,12 +187,16 @@ class Engine:
                 # this one's). Alone, its text work is queued before any later tower replays.
                 features = features.clone()
             prepared.append((compiled, features))
-        ready = [p for p in prepared if not isinstance(p, Exception)]
+        ready = [p[0] for p in prepared if not isinstance(p, Exception)]
         plan = None
-        if len(ready) > 1 and self.batches:
+        if self.mode == "shared-prefix" and (len(ready) == 1 or (len(ready) > 1 and self.batches)):
+            # The plan, fitted to a captured graph and its tensors built, here: on CUDA this host work
+            # overlaps the device work of the batch before (the graphs captured so far are current,
+            # as that batch was launched before this one is prepared).
             try:
-                plan = one_pass.build([c for c, _ in ready], self.model.config)
-            except Exception as exc:  # not a request's fault: every one runs alone in launch
+                own = self.plan(ready[0]) if len(ready) == 1 else one_pass.build(ready, self.model.config)
+                plan = self.served_plan(ready, own)
+            except Exception as exc:  # raised again in launch; a batch's requests then each run alone
                 plan = exc
         return Batch(prepared, plan, {"prepare_s": time.perf_counter() - t0})
 
@@ -312,17 +317,24 @@ class Engine:
             embeds = embeds.masked_scatter(visual_mask.view(1, -1, 1), features.to(embeds.dtype))
         return self.text(embeds, positions[:, None, :].to(m.device))[0]  # [T, H]
 
+    def served_plan(self, compiled: list[CompiledRequest], plan: Plan) -> Plan:
+        """The plan that runs `plan`'s requests, its tensors built: with CUDA graphs, `plan` padded into
+        a captured shape that holds it, else with headroom (`layouts.graph_plan`); else `plan`."""
+        if self.graphs is not None:
+            plan = graph_plan(compiled, self.model.config, plan, self.graphs.keys())
+        plan.inputs  # built once, for the shape it runs in
+        return plan
+
     @torch.no_grad()
     def execute_plan(self, compiled: CompiledRequest, plan: Plan, features: torch.Tensor | None) -> list[torch.Tensor]:
-        """Shared-prefix mode on a given plan: per-question logits [K] fp32."""
-        return self.execute_plan_many([compiled], plan, [features])[0]
+        """Shared-prefix mode on a given plan (fitted to the graphs by `served_plan`): per-question logits [K] fp32."""
+        return self.execute_plan_many([compiled], self.served_plan([compiled], plan), [features])[0]
 
     @torch.no_grad()
     def execute_plan_many(self, compiled: list[CompiledRequest], plan: Plan,
                           features: list[torch.Tensor | None]) -> list[list[torch.Tensor]]:
-        """A plan over one or several requests (in plan order): per request, per-question logits [K] fp32."""
-        if self.graphs is not None:  # a shape not captured yet runs padded into one that is, if one holds it
-            plan = graph_plan(compiled, self.model.config, plan, self.graphs.keys())
+        """A plan as it runs (`served_plan`) over one or several requests (in plan order): per
+        request, per-question logits [K] fp32."""
         inputs = plan.upload(self.model.device)  # one host-to-device copy of every index the requests need
         images = [f for f in features if f is not None]  # in request order, as the plan's image indices
         if images:

@@ -231,6 +231,22 @@ def test_a_batch_pads_into_a_shape_up_to_its_own_rung_bound(setup, long_image_re
     other_prefixes = one_pass.build([batch[0], batch[2]], config).shape
     assert one_pass.pad_into(batch, config, plan, other_prefixes) is None
 
+
+def test_short_states_share_attention_groups_of_bounded_rows(setup, short_request, monkeypatch):
+    """Requests without a prefix share attention groups, each at most MERGED_ROWS rows unless one
+    request alone is longer; the groups, and so the shape, are the same in any order."""
+    compiler, config = setup
+    monkeypatch.setattr(one_pass, "MERGED_ROWS", 700)
+    compiled = [compiler.compile(variant(short_request, words, extra)) for words, extra in ((0, False), (9, True), (3, False), (20, True), (1, False))]
+    plan = one_pass.build(compiled, config)
+    rows = one_pass.build(compiled, config, buckets=False).inputs.layout.attention_rows
+    per_group = (rows >= 0).sum(1).tolist()
+    assert set(plan.shape.prefixes) == {0} and 1 < len(plan.shape.prefixes) < len(compiled)
+    own = sorted(sum(len(c.state.input_ids) + len(br.suffix_ids) for q in c.questions for br in q.branches) for c in compiled)
+    assert all(n <= 700 or n == own[-1] for n in per_group) and sum(own) <= sum(per_group) < sum(own) + 8  # one pad sequence rounds to 8
+    for order in ([4, 3, 2, 1, 0], [2, 0, 4, 1, 3]):
+        assert one_pass.build([compiled[i] for i in order], config).shape == plan.shape
+
 @pytest.mark.parametrize("prefix_layout", ["one-pass", "batch"])
 def test_a_state_under_one_chunk_runs_as_rows(setup, short_request, prefix_layout):
     """Nothing to share: every branch one row of state + suffix (pads after), rows, length and
@@ -349,10 +365,12 @@ def variant(request: dict, words: int, extra_question: bool) -> dict:
 @given(st.lists(st.tuples(st.sampled_from(["image", "text", "short"]), st.integers(0, 40), st.booleans()), min_size=1, max_size=4))
 def test_bucketed_plans_read_every_real_row_as_the_unbucketed_plan(setup, long_image_request, short_request, shapes):
     """Random requests, alone or several in one plan: every size on a rung, and each real row holds
-    the token and position the plan without buckets gives it; pad rows are read by no real row."""
+    the token and position the plan without buckets gives it; pad rows are read by no real row; the
+    requests in the reverse order have the same shape (one graph)."""
     compiler, config = setup
     compiled = [compiler.compile(variant(base_requests(long_image_request, short_request)[kind], words, extra)) for kind, words, extra in shapes]
     padded, plain = one_pass.build(compiled, config), one_pass.build(compiled, config, buckets=False)
+    assert one_pass.build(compiled[::-1], config).shape == padded.shape
     P, cut, T, C, n_visual, N, n, NT, L, S, prefixes = padded.shape
     assert all(bucket(x) == x for x in (P, cut + T, C, N, n, NT, S)) and (cut, n_visual, prefixes) == (plain.shape.cut, plain.shape.n_visual, plain.shape.prefixes)
     assert L == (bucket(L) if len(compiled) > 1 else cut + T)  # alone, attention runs over the whole row

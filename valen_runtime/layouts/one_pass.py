@@ -8,13 +8,14 @@ request runs this layout when its prefix holds at least K-1 rows (a whole conv h
 a state under 64 tokens has none and runs as rows alone, but beside other requests it joins their
 sweep, its branches running state + suffix from a zero state. Rows take their embedding from
 [all states | all suffixes]. The rows come in one order whatever the requests' order (the longest
-prefix first; the requests without one last, in one attention group, since such rows only see
-their own sequence), so a batch of the same kinds of request has the same shape in any order;
+prefix first, then the most rows; the requests without one last, sharing attention groups of up
+to `MERGED_ROWS` rows, since such rows only see their own sequence), so a batch of the same
+requests has the same shape in any order;
 the head rows and the image features follow the requests' own order.
 
 Padding (`ladder`): every size but the prefixes and image tokens on a rung of `bucket`, so
 requests whose questions differ a little share one shape (one CUDA graph): pad sequences
-(`pad_sequences`) continue the last request and are read by no real row, pad head rows
+(`pad_sequences`) continue the last attention group and are read by no real row, pad head rows
 (`pad_head_rows`) answer logits the engine drops, the token tables grow by entries no row reads,
 and with several requests each attention group's block is on a rung. Without buckets, one pad
 sequence rounds the packed rows up to a multiple of 8.
@@ -40,9 +41,9 @@ class OnePass(NamedTuple):
     """Where the rows of a one-pass forward come from: the prefixes' P rows lead (one per request
     that has one, back to back), then every branch's continuation (its state tail and suffix) of
     every request, packed back to back (R = P + T rows). Attention runs per group: a request with a
-    prefix, or the requests without one together. `packed_indices` builds them."""
+    prefix, or requests without one together. `packed_indices` builds them."""
 
-    seq_ids: torch.Tensor  # [R] int64: the sequence of each row: continuation n >= 0, prefix of request g -1 - g
+    seq_ids: torch.Tensor  # [R] int64: the sequence of each row: continuation n >= 0, prefix of group g -1 - g
     offsets: torch.Tensor  # [R] int64: its position within that sequence
     conv_taps: torch.Tensor  # [K, R] int64: each row's causal-conv inputs, indices into [zeros (K-1) | row]
     cu_seqlens: torch.Tensor  # [n + 1] int64: the continuations' boundaries, counted from the first one
@@ -81,7 +82,13 @@ class Shape(NamedTuple):
     NT: int  # 64-token chunks of the continuations
     L: int  # attention rows per group
     S: int  # the suffix table's length
-    prefixes: tuple  # each attention group's prefix rows (0: the requests without a prefix), longest first
+    prefixes: tuple  # each attention group's prefix rows (0: requests without a prefix), longest first
+
+
+# Prefix-less requests share an attention group up to this many rows: every group's attention runs
+# over the largest group's length L (m groups cost m L^2), so a group of many short texts must not
+# grow far past what one request's group would be.
+MERGED_ROWS = 1024
 
 
 def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = True, into: Shape | None = None) -> Plan | None:
@@ -96,22 +103,23 @@ def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = 
     for compiled in requests:
         cut = (len(compiled.state.input_ids) // CHUNK) * CHUNK
         cuts.append(cut if cut >= K - 1 else 0)
-    # Rows in one order whatever the requests' order, so that batches of the same requests share a
-    # shape: the longest prefixes first (stable); requests without a prefix last, in one group.
-    order = sorted(range(len(requests)), key=lambda i: -cuts[i])
     # The sizes first (cheap), so a shape the requests do not fit is refused before any tensor work.
+    lengths = [[len(c.state.input_ids) - cut + len(br.suffix_ids) for br in bs] for c, cut, bs in zip(requests, cuts, branches)]
+    # Rows in one order whatever the requests' order, so that batches of the same requests share a
+    # shape: the longest prefixes first, then the most continuation rows; requests without a
+    # prefix last, sharing attention groups of up to MERGED_ROWS rows.
+    order = sorted(range(len(requests)), key=lambda i: (-cuts[i], -sum(lengths[i])))
     groups = []  # (prefix rows, continuation lengths) per attention group, in row order
     starts = {}  # per request (its index in `requests`): its group and its first sequence in it
     for i in order:
-        lengths = [len(requests[i].state.input_ids) - cuts[i] + len(br.suffix_ids) for br in branches[i]]
         # Branches without a prefix start from the zero state and attend to their own rows only, so
-        # the prefix-less requests can share one attention group (one prefix entry in the key).
-        if cuts[i] == 0 and groups and groups[-1][0] == 0:
+        # prefix-less requests can share an attention group (one prefix entry in the key).
+        if cuts[i] == 0 and groups and groups[-1][0] == 0 and sum(groups[-1][1]) + sum(lengths[i]) <= MERGED_ROWS:
             starts[i] = (len(groups) - 1, len(groups[-1][1]))
-            groups[-1][1].extend(lengths)
+            groups[-1][1].extend(lengths[i])
         else:
             starts[i] = (len(groups), 0)
-            groups.append((cuts[i], lengths))
+            groups.append((cuts[i], list(lengths[i])))
     real_lengths = [n for _, lengths in groups for n in lengths]
     total_cut, prefixes = sum(cut for cut, _ in groups), tuple(cut for cut, _ in groups)
     state_tokens = sum(len(c.state.input_ids) for c in requests)
@@ -294,7 +302,7 @@ def packed_indices(groups: list[tuple[int, list[int]]], K: int, attention_length
     cont_lengths = [length for _, lengths in groups for length in lengths]
     prefix_lengths = [cut for cut, _ in groups if cut]
     # Attention per group: its rows in order (prefix, then continuations), padded with -1 to the
-    # longest request's count L; slots: where each row lands in the flattened [m, L].
+    # longest group's count L; slots: where each row lands in the flattened [m, L].
     per_group = [torch.nonzero(owners == g).view(-1) for g in range(len(groups))]
     L = max(len(r) for r in per_group)
     assert attention_length is None or attention_length >= L, (attention_length, L)

@@ -136,11 +136,16 @@ class WorkerApp:
         record.update(
             input_tokens=response["usage"]["input_tokens"], compute_tokens=response["internal_usage"]["compute_tokens"],
             queue_ms=round((job.started_at - job.queued_at) * 1e3, 3), run_ms=round((time.perf_counter() - job.started_at) * 1e3, 3),
-            batch=job.batch, prepare_ms=round(result.timings.get("prepare_s", 0.0) * 1e3, 3),
-            model_ms=round(result.timings.get("model_s", 0.0) * 1e3, 3),
+            batch=job.batch,
         )
-        if "graph" in result.timings:
-            record["graph"] = result.timings["graph"]
+        # Where its batch's time went; a request rerun alone after its batch failed has no prepare_s.
+        timings = result.timings
+        if "prepare_s" in timings:
+            record["prepare_ms"] = round(timings["prepare_s"] * 1e3, 3)
+        if "model_s" in timings:
+            record["model_ms"] = round(timings["model_s"] * 1e3, 3)
+        if "graph" in timings:
+            record["graph"] = timings["graph"]
         return response_body(response)
 
 
