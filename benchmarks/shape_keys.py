@@ -144,7 +144,6 @@ def serve_order(compiler, config, n: int) -> dict:
             "plan_ms_p50_p99": p50_p99(plan_ms), "graph_plan_ms_p50_p99": p50_p99(policy_ms), "inputs_ms_p50_p99": p50_p99(inputs_ms)}
 
 
-
 def serve_batches(compiler, config, n: int, sizes=(5, 6, 6, 7, 7, 8, 8)) -> dict:
     """serve_load's --new-shapes requests 0..n-1 in a shuffled order (seed 0: a closed loop's
     arrivals interleave), taken in batches of `sizes` in turn, each batch's combined plan through

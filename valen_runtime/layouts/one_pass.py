@@ -104,35 +104,34 @@ def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = 
         cut = (len(compiled.state.input_ids) // CHUNK) * CHUNK
         cuts.append(cut if cut >= K - 1 else 0)
     # The sizes first (cheap), so a shape the requests do not fit is refused before any tensor work.
-    lengths = [[len(c.state.input_ids) - cut + len(br.suffix_ids) for br in bs] for c, cut, bs in zip(requests, cuts, branches)]
+    request_lengths = [[len(c.state.input_ids) - cut + len(br.suffix_ids) for br in bs] for c, cut, bs in zip(requests, cuts, branches)]
     # Rows in one order whatever the requests' order, so that batches of the same requests share a
     # shape: the longest prefixes first, then the most continuation rows; requests without a
     # prefix last, sharing attention groups of up to MERGED_ROWS rows.
-    order = sorted(range(len(requests)), key=lambda i: (-cuts[i], -sum(lengths[i])))
+    order = sorted(range(len(requests)), key=lambda i: (-cuts[i], -sum(request_lengths[i])))
     groups = []  # (prefix rows, continuation lengths) per attention group, in row order
     starts = {}  # per request (its index in `requests`): its group and its first sequence in it
     for i in order:
         # Branches without a prefix start from the zero state and attend to their own rows only, so
         # prefix-less requests can share an attention group (one prefix entry in the key).
-        if cuts[i] == 0 and groups and groups[-1][0] == 0 and sum(groups[-1][1]) + sum(lengths[i]) <= MERGED_ROWS:
+        if cuts[i] == 0 and groups and groups[-1][0] == 0 and sum(groups[-1][1]) + sum(request_lengths[i]) <= MERGED_ROWS:
             starts[i] = (len(groups) - 1, len(groups[-1][1]))
-            groups[-1][1].extend(lengths[i])
+            groups[-1][1].extend(request_lengths[i])
         else:
             starts[i] = (len(groups), 0)
-            groups.append((cuts[i], list(lengths[i])))
+            groups.append((cuts[i], list(request_lengths[i])))
     real_lengths = [n for _, lengths in groups for n in lengths]
     total_cut, prefixes = sum(cut for cut, _ in groups), tuple(cut for cut, _ in groups)
     state_tokens = sum(len(c.state.input_ids) for c in requests)
     n_suffix = sum(len(br.suffix_ids) for bs in branches for br in bs)
-    n_branches, n_candidates = sum(map(len, branches)), sum(len(br.candidate_positions) for bs in branches for br in bs)
+    cand_counts = [len(br.candidate_positions) for bs in branches for br in bs]  # per branch, in request order
     n_visual = sum(1 for c in requests for t in c.state.mm_token_type_ids if t != 0)
     if into is not None:
         if (into.cut, into.prefixes, into.n_visual) != (total_cut, prefixes, n_visual) \
-                or into.P < state_tokens or into.C < n_candidates or into.N < n_branches:
+                or into.P < state_tokens or into.C < sum(cand_counts) or into.N < len(cand_counts):
             return None
         pads = fit_sequences(real_lengths, into.T, into.n, into.NT)
-        if pads is None or into.S < n_suffix + sum(pads) \
-                or into.L < max(cut + sum(lengths) + (sum(pads) if g == len(groups) - 1 else 0) for g, (cut, lengths) in enumerate(groups)):
+        if pads is None or into.S < n_suffix + sum(pads):
             return None
     elif buckets:
         pads = pad_sequences(real_lengths, prefix_rows=total_cut)
@@ -141,17 +140,19 @@ def build(requests: list[CompiledRequest], config: ModelConfig, buckets: bool = 
     # The pad sequences continue the last group (its attention rows, its prefix's state); their
     # rows read pad tokens placed after the suffixes, at positions from 0 (any valid ones).
     groups[-1] = (groups[-1][0], groups[-1][1] + pads)
+    L = max(cut + sum(lengths) for cut, lengths in groups)  # attention rows of the largest group
+    if into is not None and into.L < L:
+        return None
     # The shape, from the sizes alone: the graph policy may pad this plan into a captured shape
     # (`graph_plan`), and then its tensors are never built.
-    cont_lengths = [n for _, lengths in groups for n in lengths]
-    L = max(cut + sum(lengths) for cut, lengths in groups)  # attention rows of the largest group
     if into is not None:
         shape = into
     else:
         fit = bucket if buckets else (lambda size: size)
-        shape = Shape(fit(state_tokens), total_cut, sum(cont_lengths), fit(n_candidates), n_visual, fit(n_branches), len(cont_lengths),
-                      sum(chunks(n) for n in cont_lengths), bucket(L) if buckets and len(groups) > 1 else L, fit(n_suffix + sum(pads)), prefixes)
-    cand_counts = [len(br.candidate_positions) for bs in branches for br in bs]
+        cont_lengths = real_lengths + pads
+        shape = Shape(fit(state_tokens), total_cut, sum(cont_lengths), fit(sum(cand_counts)), n_visual, fit(len(cand_counts)),
+                      len(cont_lengths), sum(chunks(n) for n in cont_lengths), bucket(L) if buckets and len(groups) > 1 else L,
+                      fit(n_suffix + sum(pads)), prefixes)
     return Plan(name, lambda: _inputs(requests, config, shape, order, cuts, branches, groups, starts, pads), shape, cand_counts,
                 [len(bs) for bs in branches])
 
