@@ -24,10 +24,12 @@ NATIVE_NO_CARGO := cargo not found; install Rust (README.md, section Check an ex
 
 .PHONY: demo test fuzz test-fast test-slow parity-gate gpu-wheels clean native-deps native-build native-check
 
+# --no-compile: pip would byte-compile every installed module (a quarter of the install, most of them
+# never imported); Python writes the bytecode of those imported on first use instead.
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "Installing requirements.txt into $(VENV) (torch and the pinned reference stack): 3-5 minutes the first time, mostly downloads."
-	$(BIN)/pip install --disable-pip-version-check -r requirements.txt
+	$(BIN)/pip install --no-compile --disable-pip-version-check -r requirements.txt
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -42,11 +44,13 @@ demo: $(STAMP)
 # Hypothesis runs derandomized with no example database in tests (profile "ci", tests/conftest.py).
 # The suite runs in TEST_WORKERS pytest-xdist processes (default: one per core), each on one torch
 # thread: most tests are single-threaded compiles, subprocesses and waits, and a second thread per
-# process only spins against the other worker.
+# process only spins against the other worker. Inductor compiles inside the worker: its default pool
+# would start a process per core, each importing torch, for compiles one worker runs in turn
+# (the tests marked `inductor` run first, in one worker: tests/conftest.py).
 # The parity gate runs beside them at a lower priority (nice 10): it takes the cores the tests
 # leave idle (their tail, their waits on subprocesses) and gets the rest once they are done.
 TEST_WORKERS ?= auto
-PYTEST := OMP_NUM_THREADS=1 HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+PYTEST := OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 test: $(STAMP)
 	@mkdir -p build; echo "parity gate: started beside the tests at nice 10 (its log follows them; build/parity-gate.log)"
 	@nice -n 10 $(BIN)/python -m parity.gate build/parity-gate > build/parity-gate.log 2>&1 & gate=$$!; \

@@ -53,6 +53,10 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The CPU compiles first: pytest-xdist's work stealing hands each worker a contiguous share of
+    # this order, so one worker runs them all in turn (sharing inductor's caches) while the other
+    # takes the rest, and no minute-long compile starts last and becomes the run's tail.
+    items.sort(key=lambda item: "inductor" not in item.keywords)
     gpu = [item for item in items if "gpu" in item.keywords]
     if not gpu:
         return

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from ..conftest import run_wide
+
 REPO = Path(__file__).resolve().parents[2]
 NATIVE = REPO / "native"
 CRATE = NATIVE / "Cargo.toml"
@@ -391,24 +393,26 @@ def native_exports(tiny_fixture, tmp_path_factory) -> dict[str, Path]:
     """Fresh exports of the tiny fixture: separate, merged (sharded, the default) and single (no index)."""
     from valen_export.export import export
 
-    root = tmp_path_factory.mktemp("native-exports")
-    out = {}
-    for name, mode, shard in (("separate", "separate", 2 * 1024**3), ("merged", "merged", 2 * 1024**3), ("single", "separate", 0)):
-        out[name] = root / name
-        export(tiny_fixture.checkpoint, tiny_fixture.base, out[name], lora_mode=mode, pins_path=tiny_fixture.pins, max_shard_bytes=shard, progress=False)
-    return out
+    with run_wide(tmp_path_factory, "native-exports") as (root, fill):  # built once per run, not per worker
+        out = {}
+        for name, mode, shard in (("separate", "separate", 2 * 1024**3), ("merged", "merged", 2 * 1024**3), ("single", "separate", 0)):
+            out[name] = root / name
+            if fill:
+                export(tiny_fixture.checkpoint, tiny_fixture.base, out[name], lora_mode=mode, pins_path=tiny_fixture.pins, max_shard_bytes=shard, progress=False)
+        return out
 
 
 @pytest.fixture(scope="session")
 def native_vectors(native_exports, tmp_path_factory) -> dict[str, Path]:
     from valen_export.vectors import write_vectors
 
-    root = tmp_path_factory.mktemp("native-vectors")
-    out = {}
-    for name, export_dir in native_exports.items():
-        out[name] = root / f"{name}.json"
-        write_vectors(export_dir, out[name])
-    return out
+    with run_wide(tmp_path_factory, "native-vectors") as (root, fill):
+        out = {}
+        for name, export_dir in native_exports.items():
+            out[name] = root / f"{name}.json"
+            if fill:
+                write_vectors(export_dir, out[name])
+        return out
 
 
 @pytest.fixture(scope="session")

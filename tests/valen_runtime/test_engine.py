@@ -295,6 +295,7 @@ def test_pad_rows_and_head_rows_change_real_logits_by_round_off_only_cpu(tiny_ex
             assert max_diff(a, b) <= bounds[i], (group, i, a, b)
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
 def test_compiled_one_pass_cpu(tiny_export, long_image_request, roundoff_bound):
@@ -308,6 +309,7 @@ def test_compiled_one_pass_cpu(tiny_export, long_image_request, roundoff_bound):
     assert max_diff(reference.run(long_image_request).logits, compiled.run(long_image_request).logits) <= bound
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
 def test_compiled_batches_cpu(tiny_export, batch_requests, roundoff_bound):

@@ -145,6 +145,7 @@ def test_tap_indexed_conv_equals_one_conv_per_sequence():
     assert sequence == len(cu) - 1
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
 def test_compiled_layers_match_the_reference_cpu(tiny_export, roundoff_bound):
@@ -164,6 +165,7 @@ def test_compiled_layers_match_the_reference_cpu(tiny_export, roundoff_bound):
         assert diff <= bound, (f"batch {batch}, {length} tokens", diff, bound)
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
 @pytest.mark.parametrize("emulate_precision_casts", [True, False])

@@ -224,6 +224,7 @@ def test_patch_gemm_only_where_it_computes_what_the_conv_does(monkeypatch, allow
     assert fast_fp32_cuda.patch_embed == ("conv" if allow_tf32 else "linear")
 
 
+@pytest.mark.inductor
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="inductor's CPU backend needs a C++ compiler")
 def test_compiled_vision_blocks_match_the_reference_cpu(tiny_export, roundoff_bound):
