@@ -27,7 +27,7 @@ import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -61,6 +61,7 @@ class Batch:
     timings: dict
     logits: list | None = None  # per ready request, per question [K] fp32 on the device, once launched
     error: Exception | None = None  # what the launch raised
+    done: "torch.cuda.Event | None" = None  # on CUDA, recorded after the launched device work
 
     @property
     def ready(self) -> list[tuple[CompiledRequest, torch.Tensor | None]]:
@@ -169,13 +170,17 @@ class Engine:
         `prepare_many` -> `launch` -> `collect`, which a server can overlap (serve/admission.py)."""
         return self.collect(self.launch(self.prepare_many(requests)))
 
-    def prepare_many(self, requests: list[dict]) -> "Batch":
+    def prepare_many(self, requests: list[dict], between: Callable[[], None] | None = None) -> "Batch":
         """The host work of run_many: every request compiled (its vision tower queued), a request
         that fails keeping its exception, and in shared-prefix mode the plan as it will run (one
-        request's, or the combined plan where the engine batches), its tensors built."""
+        request's, or the combined plan where the engine batches), its tensors built.
+        between: called before each request's host work and before the plan's (valen-serve
+        answers the batch in flight there once `device_done`)."""
         t0 = time.perf_counter()
         prepared: list[tuple[CompiledRequest, torch.Tensor | None] | Exception] = []
         for request in requests:
+            if between is not None:
+                between()
             try:
                 compiled, features = self.prepare(request)
             except Exception as exc:  # its own answer (4xx for a RequestError); the others go on
@@ -187,6 +192,8 @@ class Engine:
                 # this one's). Alone, its text work is queued before any later tower replays.
                 features = features.clone()
             prepared.append((compiled, features))
+        if between is not None:
+            between()
         ready = [p[0] for p in prepared if not isinstance(p, Exception)]
         plan = None
         if self.mode == "shared-prefix" and (len(ready) == 1 or (len(ready) > 1 and self.batches)):
@@ -217,10 +224,18 @@ class Engine:
         except Exception as exc:
             batch.error = exc
         batch.timings["launch_s"] = time.perf_counter() - t0
+        if batch.error is None and self.model.device.type == "cuda":
+            batch.done = torch.cuda.Event()
+            batch.done.record()  # after all of its device work: device_done asks it
         if self.graphs is not None and self.graphs.last_run is not None:
             # how the text stack ran: "replay", "capture" or "direct" (a batch of one's own plan, or the last request's)
             batch.timings["graph"] = self.graphs.last_run
         return batch
+
+    def device_done(self, batch: "Batch") -> bool:
+        """Whether a launched batch's device work has finished (so `collect` would not wait for
+        it); always on the CPU, where launching runs it."""
+        return batch.done is None or batch.done.query()
 
     def collect(self, batch: "Batch") -> list[RunResult | Exception]:
         """Wait for a launched batch and finish each request: per request its RunResult or exception."""

@@ -702,6 +702,33 @@ def test_run_many_of_one_request_is_run(tiny_export, long_image_request, short_r
         assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits)) and got.response == want.response
 
 
+def test_prepare_many_calls_between_before_each_request_and_the_plan(tiny_export, batch_requests):
+    """valen-serve's hook into a batch's host work (it answers the batch in flight there): called
+    before each request and once before the plan; on the CPU a launched batch is done at once."""
+    engine = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast"))
+    seen: list[int] = []
+    batch = engine.prepare_many(batch_requests, between=lambda: seen.append(len(seen)))
+    assert seen == list(range(len(batch_requests) + 1))
+    launched = engine.launch(batch)
+    assert launched.done is None and engine.device_done(launched)
+    for got, want in zip(engine.collect(launched), engine.run_many(batch_requests)):
+        assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+
+
+@gpu
+def test_a_launched_batch_is_done_once_its_event_is_and_collects_as_run_many(tiny_export, batch_requests):
+    """On CUDA launch records an event after the batch's device work: device_done is that event's
+    state (true once it completed), and collecting then gives run_many's logits bit for bit."""
+    engine = Engine.load(tiny_export["separate"], EngineOptions(device="cuda", dtype="bf16", mode="shared-prefix"))
+    want = engine.run_many(batch_requests)
+    launched = engine.launch(engine.prepare_many(batch_requests))
+    assert isinstance(launched.done, torch.cuda.Event)
+    launched.done.synchronize()
+    assert engine.device_done(launched)
+    for got, expected in zip(engine.collect(launched), want):
+        assert all(torch.equal(a, b) for a, b in zip(got.logits, expected.logits))
+
+
 def test_a_bad_request_fails_alone_in_a_batch(tiny_export, batch_requests):
     """A request that does not compile comes back as its own RequestError; its batch-mates are
     answered as a batch without it."""

@@ -1004,26 +1004,35 @@ def test_accepted_connections_turn_nagles_algorithm_off():
 
 
 class _RecordingEngine:
-    """What the executor calls on an engine, recorded; the first launch holds until `release` is set
-    (the device still busy with it), so the test decides what is queued meanwhile."""
+    """What the executor calls on an engine, recorded; the first launch holds until `release` is set,
+    so the test decides what is queued meanwhile. `done_after`: how many `device_done` questions
+    a launched batch answers False (its device work still running) before True."""
 
     batches, mode, one_pass, graphs, kernels = True, "shared-prefix", True, None, {}
 
-    def __init__(self):
+    def __init__(self, done_after: float = float("inf")):
         import threading
 
         self.calls: list[tuple[str, list]] = []
         self.release = threading.Event()
         self.launched = threading.Event()
+        self.done_after, self.asked = done_after, 0
 
     def warming_up(self):
         import contextlib
 
         return contextlib.nullcontext()
 
-    def prepare_many(self, requests):
-        self.calls.append(("prepare", [r["n"] for r in requests]))
+    def prepare_many(self, requests, between=None):
+        for r in requests:  # one request's host work at a time, the executor's hook before each
+            between()
+            self.calls.append(("prepare", r["n"]))
+        between()
         return [r["n"] for r in requests]
+
+    def device_done(self, batch):
+        self.asked += 1
+        return self.asked > self.done_after
 
     def launch(self, batch):
         self.calls.append(("launch", batch))
@@ -1037,13 +1046,25 @@ class _RecordingEngine:
         return [ValueError("bad") if n == "bad" else {"n": n} for n in batch]
 
 
-def test_the_pipelined_executor_prepares_the_next_batch_before_collecting_the_one_in_flight():
+@pytest.mark.parametrize(
+    "done_after, order",
+    [
+        # the device still busy with [1] through all of the next batch's host work: collected after it
+        (float("inf"), [("prepare", 2), ("prepare", "bad"), ("prepare", 3), ("collect", [1])]),
+        # done while the next batch's host work goes on: answered between two of its requests
+        (1, [("prepare", 2), ("collect", [1]), ("prepare", "bad"), ("prepare", 3)]),
+        # done before it began: answered first
+        (0, [("collect", [1]), ("prepare", 2), ("prepare", "bad"), ("prepare", 3)]),
+    ],
+)
+def test_the_pipelined_executor_answers_the_batch_in_flight_once_the_device_is_done(done_after, order):
     """With pipelining (CUDA's default) the host work of the jobs that arrived meanwhile runs while
-    the batch before them is in flight, then that batch is collected, then the new one launched;
-    a request failing in collect fails alone."""
+    the batch before them is in flight; that batch is collected as soon as the device is done with
+    it (asked before each request's host work), at the latest before the new batch is launched. A
+    request failing in collect fails alone."""
     from valen_runtime.serve import Executor
 
-    engine = _RecordingEngine()
+    engine = _RecordingEngine(done_after)
     executor = Executor(lambda: engine, [], max_batch=8, pipelined=True)
     executor.start()
     first = executor.submit({"n": 1})
@@ -1055,8 +1076,7 @@ def test_the_pipelined_executor_prepares_the_next_batch_before_collecting_the_on
     with pytest.raises(ValueError, match="bad"):
         later[1].future.result(30)
     executor.stop()
-    assert engine.calls == [("prepare", [1]), ("launch", [1]), ("prepare", [2, "bad", 3]), ("collect", [1]),
-                            ("launch", [2, "bad", 3]), ("collect", [2, "bad", 3])]
+    assert engine.calls == [("prepare", 1), ("launch", [1]), *order, ("launch", [2, "bad", 3]), ("collect", [2, "bad", 3])]
     assert [j.batch for j in [first, *later]] == [1, 3, 3, 3] and executor.batches_run == 1
 
 
@@ -1076,7 +1096,7 @@ def test_batch_wait_lets_an_idle_executor_gather_requests_that_come_soon_after()
     assert [j.future.result(30) for j in jobs] == [{"n": 1}, {"n": 2}, {"n": 3}]
     assert time.monotonic() - t0 >= 2.0  # a partial batch waited the whole time for a fuller one
     executor.stop()
-    assert engine.calls[0] == ("prepare", [1, 2, 3]) and [j.batch for j in jobs] == [3, 3, 3]
+    assert engine.calls[:3] == [("prepare", 1), ("prepare", 2), ("prepare", 3)] and [j.batch for j in jobs] == [3, 3, 3]
 
 
 def test_the_warmup_runs_inside_the_engines_warming_up_context():
@@ -1107,7 +1127,7 @@ def test_the_warmup_runs_inside_the_engines_warming_up_context():
             self.calls.append(("run_many", [r["n"] for r in requests], self.warming))
             return [None for _ in requests]
 
-        def prepare_many(self, requests):
+        def prepare_many(self, requests, between=None):
             self.calls.append(("prepare", [r["n"] for r in requests], self.warming))
             return [r["n"] for r in requests]
 

@@ -56,7 +56,8 @@ class Executor:
     """One thread owns the Engine: it loads it, warms it up, then runs jobs in arrival order, up to
     `max_batch` of those already queued together (`Engine.prepare_many` / `launch` / `collect`: one
     sweep where the engine batches; a request that fails fails alone). On CUDA the next batch's
-    host work overlaps the device work of the one before it.
+    host work overlaps the device work of the one before it, which is answered as soon as the
+    device is done with it (checked between two requests' host work).
 
     A job abandoned before it started (its client's timeout passed) is skipped; a batch whose jobs
     are all abandoned while it runs stops at the engine's next layer (cancel.py) and is logged as
@@ -118,12 +119,22 @@ class Executor:
         # collected. On the CPU the device work is the executor's own, so nothing would overlap.
         pipelined = self.pipelined if self.pipelined is not None else engine.model.device.type == "cuda"
         in_flight, stopping = None, False
+
+        def collect_if_done() -> None:
+            # Between two requests of the next batch's host work: once the batch in flight is done
+            # on the device, answer it now rather than after all of that work (with host work longer
+            # than the device's, its clients would otherwise wait for both).
+            nonlocal in_flight
+            if in_flight is not None and engine.device_done(in_flight[1]):
+                self._collect(engine, *in_flight)
+                in_flight = None
+
         while True:
             jobs = [] if stopping else self._take(take, block=in_flight is None)
             if jobs and jobs[-1] is None:
                 jobs, stopping = jobs[:-1], True  # run what came before the stop, then end
             jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]  # skip the abandoned
-            prepared = self._prepare(engine, jobs) if jobs else None
+            prepared = self._prepare(engine, jobs, collect_if_done) if jobs else None
             if in_flight is not None:
                 self._collect(engine, *in_flight)
             in_flight = (jobs, self._launch(engine, jobs, prepared)) if prepared is not None else None
@@ -179,14 +190,14 @@ class Executor:
                 break
         return jobs
 
-    def _prepare(self, engine, jobs: list[Job]):
+    def _prepare(self, engine, jobs: list[Job], between: Callable[[], None]):
         started = time.perf_counter()
         for job in jobs:
             job.started_at, job.batch = started, len(jobs)
         self.batches_run += len(jobs) > 1
         try:
             with cancel.scope(self._abandoned(jobs)):
-                return engine.prepare_many([job.request for job in jobs])
+                return engine.prepare_many([job.request for job in jobs], between=between)
         except BaseException as exc:  # not a request's own failure (prepare_many keeps those): all fail
             self._settle(jobs, [exc] * len(jobs))
             return None
