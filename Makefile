@@ -47,13 +47,14 @@ demo: $(STAMP)
 # process only spins against the other worker. Inductor compiles inside the worker: its default pool
 # would start a process per core, each importing torch, for compiles one worker runs in turn
 # (the tests marked `inductor` run first, in one worker: tests/conftest.py).
-# The parity gate runs beside them at a lower priority (nice 10): it takes the cores the tests
+# The parity gate runs beside them at a lower priority (nice 10), on one torch thread too (a second
+# one spun against the tests: a third more CPU for the same gate): it takes the cores the tests
 # leave idle (their tail, their waits on subprocesses) and gets the rest once they are done.
 TEST_WORKERS ?= auto
 PYTEST := OMP_NUM_THREADS=1 TORCHINDUCTOR_COMPILE_THREADS=1 HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 test: $(STAMP)
 	@mkdir -p build; echo "parity gate: started beside the tests at nice 10 (its log follows them; build/parity-gate.log)"
-	@nice -n 10 $(BIN)/python -m parity.gate build/parity-gate > build/parity-gate.log 2>&1 & gate=$$!; \
+	@OMP_NUM_THREADS=1 nice -n 10 $(BIN)/python -m parity.gate build/parity-gate > build/parity-gate.log 2>&1 & gate=$$!; \
 	  $(PYTEST) -m "not gpu" tests; tests=$$?; \
 	  wait $$gate; gated=$$?; cat build/parity-gate.log; \
 	  test $$tests = 0 && test $$gated = 0
