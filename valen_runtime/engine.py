@@ -178,9 +178,17 @@ class Engine:
         answers the batch in flight there once `device_done`)."""
         t0 = time.perf_counter()
         prepared: list[tuple[CompiledRequest, torch.Tensor | None] | Exception] = []
-        for request in requests:
+        hook_s = 0.0  # time spent in `between` (another batch's work): not this batch's prepare_s
+
+        def call_between() -> None:
+            nonlocal hook_s
             if between is not None:
+                started = time.perf_counter()
                 between()
+                hook_s += time.perf_counter() - started
+
+        for request in requests:
+            call_between()
             try:
                 compiled, features = self.prepare(request)
             except Exception as exc:  # its own answer (4xx for a RequestError); the others go on
@@ -192,8 +200,7 @@ class Engine:
                 # this one's). Alone, its text work is queued before any later tower replays.
                 features = features.clone()
             prepared.append((compiled, features))
-        if between is not None:
-            between()
+        call_between()
         ready = [p[0] for p in prepared if not isinstance(p, Exception)]
         plan = None
         if self.mode == "shared-prefix" and (len(ready) == 1 or (len(ready) > 1 and self.batches)):
@@ -205,7 +212,7 @@ class Engine:
                 plan = self.served_plan(ready, own)
             except Exception as exc:  # raised again in launch; a batch's requests then each run alone
                 plan = exc
-        return Batch(prepared, plan, {"prepare_s": time.perf_counter() - t0})
+        return Batch(prepared, plan, {"prepare_s": time.perf_counter() - t0 - hook_s})
 
     @torch.no_grad()
     def launch(self, batch: "Batch") -> "Batch":
@@ -226,15 +233,15 @@ class Engine:
         batch.timings["launch_s"] = time.perf_counter() - t0
         if batch.error is None and self.model.device.type == "cuda":
             batch.done = torch.cuda.Event()
-            batch.done.record()  # after all of its device work: device_done asks it
+            batch.done.record(torch.cuda.current_stream(self.model.device))  # after its device work: device_done asks it
         if self.graphs is not None and self.graphs.last_run is not None:
             # how the text stack ran: "replay", "capture" or "direct" (a batch of one's own plan, or the last request's)
             batch.timings["graph"] = self.graphs.last_run
         return batch
 
     def device_done(self, batch: "Batch") -> bool:
-        """Whether a launched batch's device work has finished (so `collect` would not wait for
-        it); always on the CPU, where launching runs it."""
+        """Whether the device work a launch queued has finished (true on the CPU, where launching
+        runs it, and for a batch whose launch failed)."""
         return batch.done is None or batch.done.query()
 
     def collect(self, batch: "Batch") -> list[RunResult | Exception]:

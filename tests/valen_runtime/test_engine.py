@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -706,9 +707,16 @@ def test_prepare_many_calls_between_before_each_request_and_the_plan(tiny_export
     """valen-serve's hook into a batch's host work (it answers the batch in flight there): called
     before each request and once before the plan; on the CPU a launched batch is done at once."""
     engine = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast"))
-    seen: list[int] = []
-    batch = engine.prepare_many(batch_requests, between=lambda: seen.append(len(seen)))
-    assert seen == list(range(len(batch_requests) + 1))
+    seen: list[str] = []
+    prepare, fitted = engine.prepare, engine.served_plan
+    engine.prepare = lambda request: (seen.append("request"), prepare(request))[1]
+    engine.served_plan = lambda *args: (seen.append("plan"), fitted(*args))[1]
+    started = time.perf_counter()
+    batch = engine.prepare_many(batch_requests, between=lambda: (seen.append("between"), time.sleep(0.05)))
+    wall = time.perf_counter() - started
+    assert seen == ["between", "request"] * len(batch_requests) + ["between", "plan"]
+    # the hook's time (another batch's work) is not this batch's prepare_s: at least 0.05 s per call
+    assert 0 < batch.timings["prepare_s"] <= wall - 0.05 * (len(batch_requests) + 1)
     launched = engine.launch(batch)
     assert launched.done is None and engine.device_done(launched)
     for got, want in zip(engine.collect(launched), engine.run_many(batch_requests)):

@@ -1006,11 +1006,11 @@ def test_accepted_connections_turn_nagles_algorithm_off():
 class _RecordingEngine:
     """What the executor calls on an engine, recorded; the first launch holds until `release` is set,
     so the test decides what is queued meanwhile. `done_after`: how many `device_done` questions
-    a launched batch answers False (its device work still running) before True."""
+    a launched batch answers False (its device work still running) before True; None: it raises."""
 
     batches, mode, one_pass, graphs, kernels = True, "shared-prefix", True, None, {}
 
-    def __init__(self, done_after: float = float("inf")):
+    def __init__(self, done_after: float | None = float("inf")):
         import threading
 
         self.calls: list[tuple[str, list]] = []
@@ -1032,6 +1032,8 @@ class _RecordingEngine:
 
     def device_done(self, batch):
         self.asked += 1
+        if self.done_after is None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")  # the batch's own
         return self.asked > self.done_after
 
     def launch(self, batch):
@@ -1055,6 +1057,8 @@ class _RecordingEngine:
         (1, [("prepare", 2), ("collect", [1]), ("prepare", "bad"), ("prepare", 3)]),
         # done before it began: answered first
         (0, [("collect", [1]), ("prepare", 2), ("prepare", "bad"), ("prepare", 3)]),
+        # asking raised (a CUDA error of that batch): collected at once, so the error reaches its own jobs
+        (None, [("collect", [1]), ("prepare", 2), ("prepare", "bad"), ("prepare", 3)]),
     ],
 )
 def test_the_pipelined_executor_answers_the_batch_in_flight_once_the_device_is_done(done_after, order):

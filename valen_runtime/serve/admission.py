@@ -125,9 +125,15 @@ class Executor:
             # on the device, answer it now rather than after all of that work (with host work longer
             # than the device's, its clients would otherwise wait for both).
             nonlocal in_flight
-            if in_flight is not None and engine.device_done(in_flight[1]):
-                self._collect(engine, *in_flight)
-                in_flight = None
+            if in_flight is None:
+                return
+            try:
+                done = engine.device_done(in_flight[1])
+            except Exception:  # a CUDA error of that batch: its own collect reports it, to its jobs
+                done = True
+            if done:
+                current, in_flight = in_flight, None  # taken first: never collected twice
+                self._collect(engine, *current)
 
         while True:
             jobs = [] if stopping else self._take(take, block=in_flight is None)
