@@ -1023,7 +1023,7 @@ class _RecordingEngine:
 
         return contextlib.nullcontext()
 
-    def prepare_many(self, requests, between=None):
+    def prepare_many(self, requests, between):
         for r in requests:  # one request's host work at a time, the executor's hook before each
             between()
             self.calls.append(("prepare", r["n"]))

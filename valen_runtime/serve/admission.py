@@ -56,8 +56,8 @@ class Executor:
     """One thread owns the Engine: it loads it, warms it up, then runs jobs in arrival order, up to
     `max_batch` of those already queued together (`Engine.prepare_many` / `launch` / `collect`: one
     sweep where the engine batches; a request that fails fails alone). On CUDA the next batch's
-    host work overlaps the device work of the one before it, which is answered as soon as the
-    device is done with it (checked between two requests' host work).
+    host work overlaps the device work of the one before it, which is answered at the first check
+    after the device is done with it (before each of the next batch's requests and its plan).
 
     A job abandoned before it started (its client's timeout passed) is skipped; a batch whose jobs
     are all abandoned while it runs stops at the engine's next layer (cancel.py) and is logged as
@@ -115,8 +115,9 @@ class Executor:
         # abandoned) on its own.
         take = self.max_batch if batches else 1
         # On CUDA, pipelined: the next jobs' host work (decoding, tokenizing, planning; their vision
-        # towers queue behind the device work in flight) runs before the jobs in flight are
-        # collected. On the CPU the device work is the executor's own, so nothing would overlap.
+        # towers queue behind the device work in flight) runs while the jobs in flight are on the
+        # device, and those are collected once it is done (collect_if_done), at the latest before
+        # the next launch. On the CPU the device work is the executor's own, so nothing would overlap.
         pipelined = self.pipelined if self.pipelined is not None else engine.model.device.type == "cuda"
         in_flight, stopping = None, False
 
