@@ -46,7 +46,7 @@ def phases(engine, req) -> dict:
     logits = engine.execute(compiled, features)
     sync()
     t3 = time.perf_counter()
-    engine.finish(compiled, logits, {})
+    engine.finish(compiled, engine.queue_outputs(compiled, logits).cpu(), {})
     t4 = time.perf_counter()
     return {"request": t1 - t0, "vision": t2 - t1, "text_and_head": t3 - t2, "answers": t4 - t3, "total": t4 - t0}
 

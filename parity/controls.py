@@ -13,7 +13,7 @@ the gate to fail it.
 - l2norm-dtype: the fast path's GDN q/k L2 norm computed in bf16 whatever the activation dtype
   (a kernel written for bf16 only); fp32 runs of the fast path see it.
 - mrope-sections: the height and width sections of the runtime's interleaved M-RoPE swapped.
-- probabilities-swap: Engine.run attaches the first question's first two probabilities to each
+- probabilities-swap: the engine (its device softmax) attaches the first question's first two probabilities to each
   other's keys.
 - resize-half-up: the runtime's smart_resize rounds side / factor half up instead of half to even.
 - temperature-ignored: the engine answers at temperature 1 whatever its options say (the gate's
@@ -104,17 +104,19 @@ def mrope_sections_swapped():
 
 
 def probabilities_swapped():
-    """Engine.run (its finish step) gets the first multi-candidate question's first two
-    probabilities exchanged."""
+    """The engine's probabilities with the first multi-candidate question's first two exchanged
+    (on the device, before the host reads them)."""
 
-    def make(batch_probabilities):
+    def make(queue_probabilities):
         def swapping(logits, counts, temperature=1.0):
-            probs, host_logits = batch_probabilities(logits, counts, temperature)
-            for p in probs:
-                if len(p) >= 2:
-                    p[0], p[1] = p[1], p[0]
+            values = queue_probabilities(logits, counts, temperature).clone()  # [logits..., probabilities...]
+            start = sum(counts)
+            for count in counts:
+                if count >= 2:
+                    values[[start, start + 1]] = values[[start + 1, start]]
                     break
-            return probs, host_logits
+                start += count
+            return values
 
         return swapping
 
@@ -124,9 +126,9 @@ def probabilities_swapped():
 def temperature_ignored():
     """The engine's softmax at temperature 1 whatever its options say (a calibration never applied)."""
 
-    def make(batch_probabilities):
+    def make(queue_probabilities):
         def at_one(logits, counts, temperature=1.0):
-            return batch_probabilities(logits, counts, 1.0)
+            return queue_probabilities(logits, counts, 1.0)
 
         return at_one
 
@@ -186,7 +188,7 @@ CONTROLS = (
             lambda lora, options: _fast(options), lambda rid, req: True),
     Control("mrope-sections", "the height and width M-RoPE sections swapped in the runtime's rotary embedding", mrope_sections_swapped, False,
             lambda lora, options: True, _is_visual),
-    Control("probabilities-swap", "two probabilities swapped in Engine.run", probabilities_swapped, False,
+    Control("probabilities-swap", "two probabilities swapped in the engine's outputs", probabilities_swapped, False,
             lambda lora, options: True, lambda rid, req: any(len(q.get("criteria") or [0, 0]) >= 2 for q in req["questions"].values())),
     Control("resize-half-up", "smart_resize rounding side / factor half up", resize_rounding_half_up, False,
             lambda lora, options: True, lambda rid, req: "-half" in rid),

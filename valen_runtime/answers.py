@@ -38,11 +38,16 @@ def _renormalise(values: list[float]) -> list[float]:
 
 
 def batch_probabilities(logits: Sequence[torch.Tensor], counts: Sequence[int], temperature: float = 1.0) -> tuple[list[list[float]], list[torch.Tensor]]:
-    """`probabilities` for several questions with one device-to-host transfer.
+    """`probabilities` for several questions with one device-to-host transfer: the softmaxes run on
+    the logits' device, as the reference's; the logits and probabilities of all questions then come
+    back in one copy. Returns the probabilities and the logits on the CPU."""
+    return read_probabilities(queue_probabilities(logits, counts, temperature).cpu(), counts)
 
-    The softmaxes run on the logits' device, as the reference's; the logits and probabilities of
-    all questions then come back in one copy. Returns the probabilities and the logits on the CPU.
-    """
+
+def queue_probabilities(logits: Sequence[torch.Tensor], counts: Sequence[int], temperature: float = 1.0) -> torch.Tensor:
+    """The device half of `batch_probabilities`: every question's logits, then every question's
+    softmax(logits / T), fp32 in one tensor [2 * sum(counts)] on the logits' device (queued on
+    CUDA, not awaited). `read_probabilities` turns its host copy into answers."""
     temperature = _validate_temperature(temperature)
     if len(logits) != len(counts):
         raise ValueError(f"{len(logits)} logit tensors for {len(counts)} questions")
@@ -52,10 +57,19 @@ def batch_probabilities(logits: Sequence[torch.Tensor], counts: Sequence[int], t
         if lg.ndim != 1 or lg.shape[0] != count:
             raise ValueError(f"expected one logit per candidate: shape ({count},), got {tuple(lg.shape)}")
     if not logits:
-        return [], []
+        return torch.zeros(0)
     probs = [(lg.float() / temperature).softmax(-1) for lg in logits]
-    host = torch.cat([lg.float() for lg in logits] + probs).detach().cpu()
+    return torch.cat([lg.float() for lg in logits] + probs)
+
+
+def read_probabilities(host: torch.Tensor, counts: Sequence[int]) -> tuple[list[list[float]], list[torch.Tensor]]:
+    """The host half of `batch_probabilities`: `queue_probabilities`' tensor, copied to the CPU, as
+    float64-renormalised probabilities per question and the logits per question ([K] fp32)."""
     n = sum(counts)
+    if host.shape != (2 * n,):
+        raise ValueError(f"expected {2 * n} values (logits then probabilities of {len(counts)} questions), got {tuple(host.shape)}")
+    if n == 0:
+        return [], []
     host_logits, host_probs = host[:n].split(list(counts)), host[n:].split(list(counts))
     if not bool(torch.isfinite(host[:n]).all()):
         raise ValueError("logits must be finite")

@@ -11,7 +11,8 @@
   continuing from its per-layer state; exact in real arithmetic, rounding measured by
   valen-parity). Shared-prefix work is a `layouts.Plan` (`layouts.choose` picks its layout) run
   by its layout's forward, directly or, on CUDA, replayed from a CUDA graph keyed by `Plan.key`.
-- finish: probabilities, answers and the response JSON (answers.py).
+- finish: probabilities (the softmax queued on the device behind the logits, both copied to the
+  host in one transfer), answers and the response JSON (answers.py).
 `run_many` runs several requests as one batch (prepare_many -> launch -> collect): where the
 engine runs the one-pass layout their rows share one sweep of the layers, each request with its
 own prefix (layouts.one_pass); a request that fails is answered by its own exception.
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .answers import answer_from_probabilities, batch_probabilities, response
+from .answers import answer_from_probabilities, queue_probabilities, read_probabilities, response
 from .cancel import Cancelled
 from .layouts import LAYOUTS, Plan, choose, graph_plan, one_pass
 from .options import EngineOptions
@@ -59,9 +60,11 @@ class Batch:
     prepared: list  # per request: (compiled, vision features or None), or the exception it raised
     plan: Plan | Exception | None  # as it runs (`Engine.served_plan`): one request's, or several's one-pass plan; None: each runs alone
     timings: dict
-    logits: list | None = None  # per ready request, per question [K] fp32 on the device, once launched
+    # per ready request, its questions' logits then probabilities (`answers.queue_probabilities`) on
+    # the host, once launched: on CUDA in pinned memory, filled by a copy queued in launch (read after `done`)
+    outputs: list[torch.Tensor] | None = None
     error: Exception | None = None  # what the launch raised
-    done: "torch.cuda.Event | None" = None  # on CUDA, recorded after the launched device work
+    done: "torch.cuda.Event | None" = None  # on CUDA, recorded after the launched device work and that copy
 
     @property
     def ready(self) -> list[tuple[CompiledRequest, torch.Tensor | None]]:
@@ -158,10 +161,8 @@ class Engine:
     def _execute_and_finish(self, compiled: CompiledRequest, features: torch.Tensor | None, timings: dict) -> RunResult:
         """The device work of one prepared request, awaited, then its answers; timings gains model_s."""
         t0 = time.perf_counter()
-        logits = self.execute(compiled, features)
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize()
-        return self.finish(compiled, logits, {**timings, "model_s": time.perf_counter() - t0})
+        outputs = self.queue_outputs(compiled, self.execute(compiled, features)).cpu()  # waits for the device
+        return self.finish(compiled, outputs, {**timings, "model_s": time.perf_counter() - t0})
 
     def run_many(self, requests: list[dict]) -> list[RunResult | Exception]:
         """Several requests at once: each prepared alone, then those that compiled run in one sweep
@@ -223,17 +224,20 @@ class Engine:
             self.graphs.last_run = None
         try:
             if isinstance(batch.plan, Plan):
-                batch.logits = self.execute_plan_many([c for c, _ in ready], batch.plan, [f for _, f in ready])
+                logits = self.execute_plan_many([c for c, _ in ready], batch.plan, [f for _, f in ready])
             elif batch.plan is None:
-                batch.logits = [self.execute(c, f) for c, f in ready]
+                logits = [self.execute(c, f) for c, f in ready]
             else:
                 raise batch.plan
+            batch.outputs = self._copy_to_host([self.queue_outputs(c, lg) for (c, _), lg in zip(ready, logits)])
         except Exception as exc:
             batch.error = exc
         batch.timings["launch_s"] = time.perf_counter() - t0
         if batch.error is None and self.model.device.type == "cuda":
+            # After its device work and the copy of its outputs: collect waits for this event alone, not
+            # for what was queued since (the next batch's vision towers, while valen-serve prepares it).
             batch.done = torch.cuda.Event()
-            batch.done.record(torch.cuda.current_stream(self.model.device))  # after its device work: device_done asks it
+            batch.done.record(torch.cuda.current_stream(self.model.device))
         if self.graphs is not None and self.graphs.last_run is not None:
             # how the text stack ran: "replay", "capture" or "direct" (a batch of one's own plan, or the last request's)
             batch.timings["graph"] = self.graphs.last_run
@@ -253,8 +257,8 @@ class Engine:
             # A failure of the combined sweep must not fail every request: each runs alone, and
             # one that fails again carries its own exception.
             return [p if isinstance(p, Exception) else self._run_prepared(*p) for p in batch.prepared]
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize()
+        if batch.done is not None:
+            batch.done.synchronize()
         # prepare_s: host work of the whole batch (parsing, decoding, tokenizing, the plan);
         # model_s: queuing its device work and waiting for it; batch: requests in the sweep;
         # graph (with CUDA graphs): whether its plan replayed a graph, captured one or ran directly.
@@ -262,10 +266,26 @@ class Engine:
                    "batch": len(batch.ready) if isinstance(batch.plan, Plan) else 1}
         if "graph" in batch.timings:
             timings["graph"] = batch.timings["graph"]
-        out, logits = [], iter(batch.logits)
+        out, outputs = [], iter(batch.outputs)
         for p in batch.prepared:
-            out.append(p if isinstance(p, Exception) else self.finish(p[0], next(logits), dict(timings)))
+            out.append(p if isinstance(p, Exception) else self._finish_or_error(p[0], next(outputs), dict(timings)))
         return out
+
+    def _finish_or_error(self, compiled: CompiledRequest, outputs: torch.Tensor, timings: dict) -> RunResult | Exception:
+        try:
+            return self.finish(compiled, outputs, timings)
+        except Exception as exc:  # that request's answer (non-finite logits); its batch-mates go on
+            return exc
+
+    def _copy_to_host(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Device tensors queued into one host tensor (pinned on CUDA, non-blocking: read it after an
+        event recorded behind the copy), returned as views in the same sizes."""
+        values = torch.cat(outputs)
+        if values.device.type == "cpu":
+            return list(values.split([o.numel() for o in outputs]))
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        return list(host.split([o.numel() for o in outputs]))
 
     def _run_prepared(self, compiled: CompiledRequest, features: torch.Tensor | None) -> RunResult | Exception:
         try:
@@ -380,9 +400,14 @@ class Engine:
 
     # ---- finish -----------------------------------------------------------------------------
 
-    def finish(self, compiled: CompiledRequest, logits: list[torch.Tensor], timings: dict) -> RunResult:
-        """Probabilities (softmax at the engine's temperature), answers and the response JSON."""
-        probs, host_logits = batch_probabilities(logits, [len(q.keys) for q in compiled.questions], self.temperature)
+    def queue_outputs(self, compiled: CompiledRequest, logits: list[torch.Tensor]) -> torch.Tensor:
+        """A request's per-question logits [K] then their softmax at the engine's temperature, one fp32
+        tensor on the logits' device (queued, not awaited); `finish` reads its host copy."""
+        return queue_probabilities(logits, [len(q.keys) for q in compiled.questions], self.temperature)
+
+    def finish(self, compiled: CompiledRequest, outputs: torch.Tensor, timings: dict) -> RunResult:
+        """Answers and the response JSON from `queue_outputs`' tensor copied to the host."""
+        probs, host_logits = read_probabilities(outputs, [len(q.keys) for q in compiled.questions])
         answers = {
             q.qid: answer_from_probabilities(q.kind, q.keys, q.descriptions, p) for q, p in zip(compiled.questions, probs)
         }

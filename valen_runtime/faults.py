@@ -23,8 +23,8 @@ SEAMS: dict[str, tuple[str, str]] = {
     "fast-l2norm": ("valen_runtime.fast.layers", "l2norm"),
     # the text rotary embedding's interleaving of the three M-RoPE sections
     "mrope-interleave": ("valen_runtime.qwen35", "TextRotaryEmbedding._interleave"),
-    # logits -> probabilities at the engine's temperature, in Engine.finish
-    "probabilities": ("valen_runtime.engine", "batch_probabilities"),
+    # logits -> probabilities at the engine's temperature, on the device (Engine.queue_outputs)
+    "probabilities": ("valen_runtime.engine", "queue_probabilities"),
     # the image resize's target size (request compiling)
     "image-smart-resize": ("valen_runtime.image", "smart_resize"),
 }

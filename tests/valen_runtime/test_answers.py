@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from valen_runtime.answers import answer, answer_from_probabilities, batch_probabilities, load_temperature, probabilities, response
+from valen_runtime.answers import (answer, answer_from_probabilities, batch_probabilities, load_temperature, probabilities, queue_probabilities,
+                                   read_probabilities, response)
 from valen_runtime.errors import ConfigError
 
 
@@ -191,3 +192,16 @@ def test_batch_probabilities_equal_per_question_probabilities():
     with pytest.raises(ValueError, match="one logit per candidate"):
         batch_probabilities([torch.zeros(3)], [2])
     assert batch_probabilities([], []) == ([], [])
+
+
+def test_the_device_and_host_halves_compose_to_batch_probabilities():
+    """queue_probabilities (device: logits then softmaxes, one tensor) and read_probabilities (host)
+    are batch_probabilities split at the copy; the host half refuses a tensor of the wrong size."""
+    gen = torch.Generator().manual_seed(11)
+    logits = [torch.randn(n, generator=gen) for n in (3, 1, 6)]
+    queued = queue_probabilities(logits, [3, 1, 6], temperature=1.3)
+    assert queued.shape == (20,) and torch.equal(queued[:10], torch.cat(logits))
+    (probs, host), (want_probs, want_host) = read_probabilities(queued, [3, 1, 6]), batch_probabilities(logits, [3, 1, 6], temperature=1.3)
+    assert probs == want_probs and all(torch.equal(a, b) for a, b in zip(host, want_host))
+    with pytest.raises(ValueError, match="expected 20 values"):
+        read_probabilities(queued[:-1], [3, 1, 6])

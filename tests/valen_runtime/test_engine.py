@@ -725,8 +725,9 @@ def test_prepare_many_calls_between_before_each_request_and_the_plan(tiny_export
 
 @gpu
 def test_a_launched_batch_is_done_once_its_event_is_and_collects_as_run_many(tiny_export, batch_requests):
-    """On CUDA launch records an event after the batch's device work: device_done is that event's
-    state (true once it completed), and collecting then gives run_many's logits bit for bit."""
+    """On CUDA launch records an event after the batch's device work and the copy of its outputs:
+    device_done is that event's state (true once it completed), collecting waits for nothing
+    queued later and gives run_many's logits and responses bit for bit."""
     # eager fast kernels: what is tested is the event, not the compiled or graphed sweep
     options = EngineOptions(device="cuda", dtype="bf16", mode="shared-prefix", kernels="fast", compile=False, graphs=False)
     engine = Engine.load(tiny_export["separate"], options)
@@ -735,8 +736,33 @@ def test_a_launched_batch_is_done_once_its_event_is_and_collects_as_run_many(tin
     assert isinstance(launched.done, torch.cuda.Event)
     launched.done.synchronize()
     assert engine.device_done(launched)
-    for got, expected in zip(engine.collect(launched), want):
-        assert all(torch.equal(a, b) for a, b in zip(got.logits, expected.logits))
+    # Work queued after the launch (valen-serve: the next batch's towers) does not hold the collect
+    # up: its outputs were copied to the host behind the batch's own work. ~1-3 s of spinning.
+    torch.cuda._sleep(4_000_000_000)
+    results = engine.collect(launched)
+    assert not torch.cuda.current_stream().query(), "collect waited for work queued after the launch"
+    torch.cuda.synchronize()
+    for got, expected in zip(results, want):
+        assert all(torch.equal(a, b) for a, b in zip(got.logits, expected.logits)) and got.response == expected.response
+
+
+def test_a_request_whose_logits_are_not_finite_fails_alone_in_a_batch(tiny_export, batch_requests):
+    """Finishing a batch answers each request on its own: one whose logits came out NaN gets its
+    ValueError, its batch-mates their answers as run_many alone gives them."""
+    engine = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast"))
+    want = engine.run_many(batch_requests)
+    queue_outputs, calls = engine.queue_outputs, []
+
+    def second_poisoned(compiled, logits):  # called per request in batch order
+        calls.append(compiled)
+        return queue_outputs(compiled, [lg * float("nan") for lg in logits] if len(calls) == 2 else logits)
+
+    engine.queue_outputs = second_poisoned
+    got = engine.run_many(batch_requests)
+    assert len(calls) == len(batch_requests)
+    assert isinstance(got[1], ValueError) and "finite" in str(got[1])
+    for g, w in ((got[0], want[0]), (got[2], want[2]), (got[3], want[3])):
+        assert g.response == w.response and all(torch.equal(a, b) for a, b in zip(g.logits, w.logits))
 
 
 def test_a_bad_request_fails_alone_in_a_batch(tiny_export, batch_requests):
