@@ -280,6 +280,8 @@ class Engine:
     def _copy_to_host(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Device tensors queued into one host tensor (pinned on CUDA, non-blocking: read it after an
         event recorded behind the copy), returned as views in the same sizes."""
+        if not outputs:  # every request of the batch failed to compile
+            return []
         values = torch.cat(outputs)
         if values.device.type == "cpu":
             return list(values.split([o.numel() for o in outputs]))

@@ -765,6 +765,17 @@ def test_a_request_whose_logits_are_not_finite_fails_alone_in_a_batch(tiny_expor
         assert g.response == w.response and all(torch.equal(a, b) for a, b in zip(g.logits, w.logits))
 
 
+def test_a_batch_of_bad_requests_answers_each_with_its_own_error(tiny_export, batch_requests):
+    from valen_runtime.errors import RequestError
+
+    engine = Engine.load(tiny_export["separate"], EngineOptions(device="cpu", dtype="fp32", mode="shared-prefix", kernels="fast"))
+    bad = [dict(batch_requests[0], state="  "), dict(batch_requests[1], questions={})]
+    launched = engine.launch(engine.prepare_many(bad))
+    assert launched.error is None and launched.outputs == []
+    results = engine.collect(launched)
+    assert all(isinstance(r, RequestError) for r in results) and "state" in str(results[0]) and "questions" in str(results[1])
+
+
 def test_a_bad_request_fails_alone_in_a_batch(tiny_export, batch_requests):
     """A request that does not compile comes back as its own RequestError; its batch-mates are
     answered as a batch without it."""
