@@ -109,7 +109,7 @@ def probabilities_swapped():
 
     def make(queue_probabilities):
         def swapping(logits, counts, temperature=1.0):
-            values = queue_probabilities(logits, counts, temperature).clone()  # [logits..., probabilities...]
+            values = queue_probabilities(logits, counts, temperature)  # [logits..., probabilities...], a fresh tensor
             start = sum(counts)
             for count in counts:
                 if count >= 2:

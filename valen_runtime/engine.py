@@ -11,8 +11,9 @@
   continuing from its per-layer state; exact in real arithmetic, rounding measured by
   valen-parity). Shared-prefix work is a `layouts.Plan` (`layouts.choose` picks its layout) run
   by its layout's forward, directly or, on CUDA, replayed from a CUDA graph keyed by `Plan.key`.
-- finish: probabilities (the softmax queued on the device behind the logits, both copied to the
-  host in one transfer), answers and the response JSON (answers.py).
+- finish: answers and the response JSON (answers.py) from the logits and their softmaxes, which
+  were queued on the device behind the logits and copied to the host in one transfer
+  (`queue_outputs`, in launch or right after execute).
 `run_many` runs several requests as one batch (prepare_many -> launch -> collect): where the
 engine runs the one-pass layout their rows share one sweep of the layers, each request with its
 own prefix (layouts.one_pass); a request that fails is answered by its own exception.
@@ -233,7 +234,8 @@ class Engine:
         except Exception as exc:
             batch.error = exc
         batch.timings["launch_s"] = time.perf_counter() - t0
-        if batch.error is None and self.model.device.type == "cuda":
+        if batch.error is None and batch.outputs and self.model.device.type == "cuda":
+            # (No event for a batch whose every request failed: nothing of it to wait for.)
             # After its device work and the copy of its outputs: collect waits for this event alone, not
             # for what was queued since (the next batch's vision towers, while valen-serve prepares it).
             batch.done = torch.cuda.Event()

@@ -746,6 +746,28 @@ def test_a_launched_batch_is_done_once_its_event_is_and_collects_as_run_many(tin
         assert all(torch.equal(a, b) for a, b in zip(got.logits, expected.logits)) and got.response == expected.response
 
 
+@gpu
+def test_collect_reads_the_host_copy_only_after_the_copy(tiny_export, batch_requests):
+    """With the device held between a batch's model and the copy of its outputs, the batch is not
+    done and collect waits for the copy: it answers as run_many does, not from whatever the pinned
+    buffer held (a batch in the reverse order ran just before, so a stale buffer reads wrong)."""
+    options = EngineOptions(device="cuda", dtype="bf16", mode="shared-prefix", kernels="fast", compile=False, graphs=False)
+    engine = Engine.load(tiny_export["separate"], options)
+    want = engine.run_many(batch_requests)
+    engine.run_many(batch_requests[::-1])  # its freed pinned block, of the same size, holds other values in each place
+    queue_outputs = engine.queue_outputs
+
+    def held(compiled, logits):  # ~0.3-1 s of spinning per request between the model and the softmaxes and copy
+        torch.cuda._sleep(1_000_000_000)
+        return queue_outputs(compiled, logits)
+
+    engine.queue_outputs = held
+    launched = engine.launch(engine.prepare_many(batch_requests))
+    assert not engine.device_done(launched)
+    for got, expected in zip(engine.collect(launched), want):
+        assert all(torch.equal(a, b) for a, b in zip(got.logits, expected.logits)) and got.response == expected.response
+
+
 def test_a_request_whose_logits_are_not_finite_fails_alone_in_a_batch(tiny_export, batch_requests):
     """Finishing a batch answers each request on its own: one whose logits came out NaN gets its
     ValueError, its batch-mates their answers as run_many alone gives them."""
