@@ -73,6 +73,8 @@ def read_probabilities(host: torch.Tensor, counts: Sequence[int]) -> tuple[list[
     host_logits, host_probs = host[:n].split(list(counts)), host[n:].split(list(counts))
     if not bool(torch.isfinite(host[:n]).all()):
         raise ValueError("logits must be finite")
+    if not bool(torch.isfinite(host[n:]).all()):  # finite logits over a tiny temperature overflow fp32
+        raise ValueError("the probabilities are not finite: the logits divided by the temperature overflow fp32 (use a larger temperature)")
     return [_renormalise(p.tolist()) for p in host_probs], list(host_logits)
 
 

@@ -209,3 +209,11 @@ def test_the_device_and_host_halves_compose_to_batch_probabilities():
     assert all(torch.equal(a, b) for a, b in zip(host, logits))
     with pytest.raises(ValueError, match="expected 20 values"):
         read_probabilities(queued[:-1], [3, 1, 6])
+
+
+def test_probabilities_that_overflow_at_a_tiny_temperature_are_refused():
+    """Finite logits over a temperature of 1e-39 overflow fp32 and the softmax is NaN: refused with a
+    line that names the temperature, never answered (a response holds no NaN)."""
+    logits = [torch.tensor([2.0, -1.0, 0.5])]
+    with pytest.raises(ValueError, match="temperature"):
+        batch_probabilities(logits, [3], temperature=1e-39)

@@ -83,3 +83,15 @@ def test_valen_run_verbose_prints_the_resolved_options_as_one_json_line(tiny_exp
     assert "answers" in json.loads(result.stdout)
     quiet = CliRunner().invoke(run_main, args[:-2] + [str(request)])
     assert quiet.exit_code == 0 and quiet.stderr == "" and json.loads(quiet.stdout) == json.loads(result.stdout)
+
+
+def test_valen_run_refuses_a_temperature_its_probabilities_overflow_at_in_one_line(tiny_export, tmp_path):
+    """--temperature 1e-39 passes the option's check (finite, > 0), but the logits over it overflow:
+    one line and exit 2, no traceback and no JSON with NaN."""
+    request = tmp_path / "req.json"
+    request.write_text(json.dumps(REQUEST))
+    args = ["--export", str(tiny_export["separate"]), "--device", "cpu", "--temperature", "1e-39", str(request)]
+    result = CliRunner().invoke(run_main, args)
+    assert result.exit_code == 2 and result.stdout == "", result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error:") and "temperature" in line

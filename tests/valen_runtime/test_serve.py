@@ -629,10 +629,12 @@ def test_requests_leave_no_temporary_files(worker):
 # ---------------------------------------------------------------- lifecycle: SIGTERM, startup refusals, 500, request timeout
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_a_stop_signal_mid_request_answers_then_exits_0(tiny_export, tmp_path, engine, signum):
+@pytest.mark.parametrize("signum, again", [(signal.SIGTERM, None), (signal.SIGHUP, None), (signal.SIGTERM, signal.SIGINT)],
+                         ids=["SIGTERM", "SIGHUP", "SIGTERM-then-SIGINT"])
+def test_a_stop_signal_mid_request_answers_then_exits_0(tiny_export, tmp_path, engine, signum, again):
     """SIGHUP drains like SIGTERM: its default used to kill the worker mid-request (exit 129, an
-    empty reply, no "stopped" line)."""
+    empty reply, no "stopped" line). A second signal while it drains (Ctrl-C twice) is logged and
+    changes nothing: uvicorn's forced exit used to answer the accepted requests with plain-text 500s."""
     server = Worker(tiny_export["separate"], tmp_path, "--read-timeout", "30")
     try:
         waiting = text_request("Waiting in its body.")
@@ -655,6 +657,9 @@ def test_a_stop_signal_mid_request_answers_then_exits_0(tiny_export, tmp_path, e
                     break
                 assert time.monotonic() < deadline, f"still accepting connections after {signum!r}"
                 time.sleep(0.05)
+            if again is not None:
+                server.proc.send_signal(again)
+                server.wait_for(lambda ln: ln.get("event") == "signal" and ln.get("signal") == again)
             sock.sendall(body[10:])
             status, answer = read_response(sock, 60)
             assert status == 200 and encode_response(answer) == expected_bytes(engine, waiting)

@@ -69,3 +69,28 @@ def test_the_attributes_the_subclass_reads_are_set():
         assert "self.transport = transport" in inspect.getsource(H11Protocol.connection_made)
     finally:
         loop.close()
+
+
+def test_a_body_json_cannot_hold_is_answered_500_in_the_contract_s_shape():
+    """A response body with a NaN (a bug: the engine refuses NaN probabilities) is not sent as
+    uvicorn's plain-text 500: the app answers {"detail": "inference failed"} and logs the error."""
+    import json
+
+    from valen_runtime.serve.app import WorkerApp
+    from valen_runtime.serve.settings import Settings
+
+    app = WorkerApp(executor=None, settings=Settings())
+    app._health = lambda: (200, {"status": float("nan")})
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/health", "headers": []}
+    asyncio.run(app(scope, receive, send))
+    start, body = sent[0], b"".join(m.get("body", b"") for m in sent[1:])
+    assert start["status"] == 500 and (b"content-type", b"application/json") in start["headers"]
+    assert json.loads(body) == {"detail": "inference failed"}

@@ -70,7 +70,13 @@ class WorkerApp:
         except Exception as exc:  # a bug here must still answer in the contract's shape
             record["error"] = f"{type(exc).__name__}: {exc}"
             status, body = 500, {"detail": "inference failed"}
-        await _json_response(status, body, request_id)(scope, receive, send)
+        try:
+            response = _json_response(status, body, request_id)
+        except ValueError as exc:  # a body JSON cannot hold (a NaN): a bug, still answered in the contract's shape
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            status, body = 500, {"detail": "inference failed"}
+            response = _json_response(status, body, request_id)
+        await response(scope, receive, send)
         record.update(status=status, ms=_ms(started))
         if status != 200:
             record["detail"] = body.get("detail", body.get("status"))

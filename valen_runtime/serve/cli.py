@@ -119,6 +119,11 @@ class _StopSignals:
     def __call__(self, signum, frame):
         warm = self.executor is not None and self.executor.ready.done()
         if self.server is not None and warm:
+            if self.server.should_exit:
+                # uvicorn would force the exit on a second signal, cancelling the accepted requests
+                # (plain-text 500s): the drain goes on, as the first signal promised.
+                log.info({"event": "signal", "signal": signum, "detail": "already draining: every accepted request is still answered (SIGKILL stops at once)"})
+                return
             self.server.handle_exit(signum, frame)  # sets should_exit: a server not yet running starts and drains
             return
         log.info({"event": "stopped", "reason": f"signal {signum} before ready"})
