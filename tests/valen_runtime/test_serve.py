@@ -25,6 +25,7 @@ import zlib
 import pytest
 from click.testing import CliRunner
 
+from valen_runtime.errors import RequestError
 from valen_runtime.wire import MAX_BODY, MAX_IMAGE_BYTES, MAX_TEXT, MAX_VIDEO_BODY, encode_response, response_body
 
 from .conftest import rest_of_stderr, start_serve
@@ -1022,6 +1023,8 @@ class _RecordingEngine:
         self.release = threading.Event()
         self.launched = threading.Event()
         self.done_after, self.asked = done_after, 0
+        self.second_release: "threading.Event | None" = None  # when set to an Event, the second launch holds until it is set
+        self.second_launched = threading.Event()
 
     def warming_up(self):
         import contextlib
@@ -1029,11 +1032,14 @@ class _RecordingEngine:
         return contextlib.nullcontext()
 
     def prepare_many(self, requests, between):
+        from valen_runtime.engine import Batch
+
         for r in requests:  # one request's host work at a time, the executor's hook before each
             between()
             self.calls.append(("prepare", r["n"]))
         between()
-        return [r["n"] for r in requests]
+        # a request named "invalid" fails to compile (its own RequestError), as bad input does
+        return Batch([RequestError("state", "invalid") if r["n"] == "invalid" else r["n"] for r in requests], None, {})
 
     def device_done(self, batch):
         self.asked += 1
@@ -1042,15 +1048,19 @@ class _RecordingEngine:
         return self.asked > self.done_after
 
     def launch(self, batch):
-        self.calls.append(("launch", batch))
-        if len([c for c in self.calls if c[0] == "launch"]) == 1:
+        self.calls.append(("launch", batch.prepared))
+        launches = len([c for c in self.calls if c[0] == "launch"])
+        if launches == 1:
             self.launched.set()
             assert self.release.wait(30)
+        elif launches == 2 and self.second_release is not None:
+            self.second_launched.set()
+            assert self.second_release.wait(30)
         return batch
 
     def collect(self, batch):
-        self.calls.append(("collect", batch))
-        return [ValueError("bad") if n == "bad" else {"n": n} for n in batch]
+        self.calls.append(("collect", batch.prepared))
+        return [n if isinstance(n, Exception) else ValueError("bad") if n == "bad" else {"n": n} for n in batch.prepared]
 
 
 @pytest.mark.parametrize(
@@ -1087,6 +1097,30 @@ def test_the_pipelined_executor_answers_the_batch_in_flight_once_the_device_is_d
     executor.stop()
     assert engine.calls == [("prepare", 1), ("launch", [1]), *order, ("launch", [2, "bad", 3]), ("collect", [2, "bad", 3])]
     assert [j.batch for j in [first, *later]] == [1, 3, 3, 3] and executor.batches_run == 1
+
+
+def test_a_request_that_fails_to_compile_is_answered_before_its_batch_runs():
+    """A bad request's 4xx does not wait for its batch-mates' device work: it is answered once the
+    batch's host work is done, before the batch is launched (here held in flight by the batch before
+    it), and its batch-mates are answered as before."""
+    from valen_runtime.serve import Executor
+
+    engine = _RecordingEngine()
+    engine.second_release = threading.Event()
+    executor = Executor(lambda: engine, [], max_batch=8, pipelined=False)
+    executor.start()
+    first = executor.submit({"n": 1})
+    assert engine.launched.wait(30)
+    later = [executor.submit({"n": n}) for n in (2, "invalid", 3)]
+    engine.release.set()
+    assert engine.second_launched.wait(30)  # the batch [2, invalid, 3] is held in its launch
+    with pytest.raises(RequestError, match="invalid"):
+        later[1].future.result(0)  # already answered
+    assert not later[0].future.done() and not later[2].future.done()
+    engine.second_release.set()
+    assert [j.future.result(30) for j in (first, later[0], later[2])] == [{"n": 1}, {"n": 2}, {"n": 3}]
+    executor.stop()
+    assert [c[0] for c in engine.calls[-2:]] == ["launch", "collect"] and [j.batch for j in later] == [3, 3, 3]
 
 
 def test_batch_wait_lets_an_idle_executor_gather_requests_that_come_soon_after():
@@ -1137,16 +1171,18 @@ def test_the_warmup_runs_inside_the_engines_warming_up_context():
             return [None for _ in requests]
 
         def prepare_many(self, requests, between=None):
+            from valen_runtime.engine import Batch
+
             self.calls.append(("prepare", [r["n"] for r in requests], self.warming))
-            return [r["n"] for r in requests]
+            return Batch([r["n"] for r in requests], None, {})
 
         def launch(self, batch):
-            self.calls.append(("launch", batch, self.warming))
+            self.calls.append(("launch", batch.prepared, self.warming))
             return batch
 
         def collect(self, batch):
-            self.calls.append(("collect", batch, self.warming))
-            return [{"n": n} for n in batch]
+            self.calls.append(("collect", batch.prepared, self.warming))
+            return [{"n": n} for n in batch.prepared]
 
     engine = WarmupRecorder()
     warmup = [{"n": n} for n in range(12)]  # warmup_batches groups the full warmup's requests

@@ -204,10 +204,16 @@ class Executor:
         self.batches_run += len(jobs) > 1
         try:
             with cancel.scope(self._abandoned(jobs)):
-                return engine.prepare_many([job.request for job in jobs], between=between)
+                batch = engine.prepare_many([job.request for job in jobs], between=between)
         except BaseException as exc:  # not a request's own failure (prepare_many keeps those): all fail
             self._settle(jobs, [exc] * len(jobs))
             return None
+        # A request that failed to compile (bad input) is answered now, not after its batch-mates'
+        # device work (with --request-timeout, its 4xx would otherwise become a 503).
+        for job, entry in zip(jobs, batch.prepared):
+            if isinstance(entry, BaseException):
+                job.future.set_exception(entry)
+        return batch
 
     def _launch(self, engine, jobs: list[Job], prepared):
         with cancel.scope(self._abandoned(jobs)):
@@ -223,8 +229,9 @@ class Executor:
 
     @staticmethod
     def _abandoned(jobs: list[Job]) -> Callable[[], bool]:
-        """The batch's stop test: true once no job in it has a client waiting."""
-        return lambda: all(job.abandoned_at is not None for job in jobs)
+        """The batch's stop test: true once no job in it has a client waiting (each given up, or
+        already answered: its request failed to compile)."""
+        return lambda: all(job.abandoned_at is not None or job.future.done() for job in jobs)
 
     @staticmethod
     def _settle(jobs: list[Job], results: list) -> None:
@@ -236,6 +243,8 @@ class Executor:
                       "ran_ms": round((now - stopped[0].started_at) * 1e3, 3),
                       "ms_after_abandoned": round(min(now - job.abandoned_at for job in stopped) * 1e3, 3)})
         for job, result in zip(jobs, results):
+            if job.future.done():  # answered when its compile failed (_prepare)
+                continue
             if isinstance(result, BaseException):
                 job.future.set_exception(result)
             else:
