@@ -871,6 +871,29 @@ def test_internal_failure_is_500_and_a_late_answer_is_503_and_stops_computing(ti
         assert server.stop() == 0
 
 
+def test_a_client_that_leaves_before_its_answer_is_499_and_its_work_stops(tiny_export, tmp_path, engine):
+    """A client that sent its whole request and then closed the connection is logged 499 and its
+    work is given up at the next layer, as a timed-out request's (it used to run to its end, and
+    the requests behind it waited)."""
+    server = Worker(tiny_export["separate"], tmp_path)
+    try:
+        eight = {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true?"} for i in range(8)}
+        body = json.dumps(text_request(HEAVY_STATE, eight)).encode()  # several seconds on 2 cores
+        sock = open_partial(server.port, body, len(body))  # the whole request on the wire
+        time.sleep(1.0)  # admitted and running
+        sock.close()
+        left = server.wait_for(lambda ln: ln.get("event") == "request" and ln.get("status") == 499, 30)
+        assert left["detail"] == "client closed the connection before its answer" and left["executor"].startswith("still busy with it")
+        stopped = server.wait_for(lambda ln: ln.get("event") == "cancelled", 30)
+        assert stopped["ids"] == [left["id"]]
+        request = text_request("An ordinary request afterwards.")
+        status, _, data = http_call(server.port, "POST", "/v1/systemone", json.dumps(request).encode(), {"X-Request-Id": "after"})
+        assert status == 200 and data == expected_bytes(engine, request)
+        assert server.wait_for(lambda ln: ln.get("id") == "after")["queue_ms"] < 1000  # nothing left running ahead of it
+    finally:
+        assert server.stop() == 0
+
+
 # ---------------------------------------------------------------- batching (--max-batch)
 
 

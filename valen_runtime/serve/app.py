@@ -63,8 +63,8 @@ class WorkerApp:
                 status, body = 200, await self._systemone(headers, receive, record, started, client)
         except _Answer as answer:
             status, body = answer.status, {"detail": answer.detail}
-        except _ClientGone:
-            record.update(status=499, detail="client closed the connection before the body was complete", ms=_ms(started))
+        except _ClientGone as gone:
+            record.update(status=499, detail=str(gone), ms=_ms(started))
             log.info(record)
             return
         except Exception as exc:  # a bug here must still answer in the contract's shape
@@ -115,7 +115,7 @@ class WorkerApp:
             except RequestError as exc:
                 raise _Answer(http_status(exc), str(exc)) from None
             del body  # the parsed request is what waits
-            return await self._run(request, record, started)
+            return await self._run(request, record, started, receive)
         finally:
             self.admitted -= 1
 
@@ -123,14 +123,16 @@ class WorkerApp:
         if self.admitted >= self.capacity:
             raise _Answer(503, f"worker busy: {self.capacity} requests admitted (--queue-size {self.settings.queue_size} + 1)")
 
-    async def _run(self, request: dict, record: dict, started: float) -> dict:
+    async def _run(self, request: dict, record: dict, started: float, receive) -> dict:
         job = self.executor.submit(request, record["id"])
         remaining = self.settings.request_timeout - (time.perf_counter() - started)
         try:
-            result = await asyncio.wait_for(asyncio.wrap_future(job.future), timeout=max(remaining, 0.0))
-        except asyncio.TimeoutError:
+            result = await _answer_unless_gone(job.future, receive, max(remaining, 0.0))
+        except (asyncio.TimeoutError, _ClientGone) as given_up:
             if job.abandon():  # the executor is still busy with it until its next layer
                 record["executor"] = "still busy with it: the work stops at its next layer once no request of its batch is waited for"
+            if isinstance(given_up, _ClientGone):
+                raise
             raise _Answer(503, f"not answered within {self.settings.request_timeout:g} s (--request-timeout); the worker is overloaded") from None
         except RequestError as exc:
             record["batch"] = job.batch  # it failed alone; its batch-mates went on
@@ -153,6 +155,29 @@ class WorkerApp:
         if "graph" in timings:
             record["graph"] = timings["graph"]
         return response_body(response)
+
+
+async def _answer_unless_gone(future, receive, timeout: float):
+    """The job's result, unless its client disconnects first (_ClientGone: nobody would read the
+    answer, so its work is given up like a timed-out request's) or `timeout` passes (TimeoutError).
+    With the body read, the server's next message for this request is its disconnect."""
+    answer = asyncio.wrap_future(future)
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({answer, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if answer in done:
+        return answer.result()
+    answer.cancel()  # a job not started yet never starts
+    if gone in done:
+        raise _ClientGone("client closed the connection before its answer")
+    raise asyncio.TimeoutError
 
 
 def _ms(started: float) -> float:

@@ -35,7 +35,10 @@ class _Answer(Exception):
 
 
 class _ClientGone(Exception):
-    """The client closed the connection before its body was complete; nothing can be sent."""
+    """The client closed the connection before its answer (its args[0] says when); nothing can be sent."""
+
+    def __init__(self, detail: str = "client closed the connection before the body was complete"):
+        super().__init__(detail)
 
 
 
