@@ -285,11 +285,10 @@ class Engine:
         if not outputs:  # every request of the batch failed to compile
             return []
         values = torch.cat(outputs)
-        if values.device.type == "cpu":
-            return list(values.split([o.numel() for o in outputs]))
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
-        return list(host.split([o.numel() for o in outputs]))
+        if values.device.type != "cpu":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            values = host.copy_(values, non_blocking=True)
+        return list(values.split([o.numel() for o in outputs]))
 
     def _run_prepared(self, compiled: CompiledRequest, features: torch.Tensor | None) -> RunResult | Exception:
         try:

@@ -842,6 +842,18 @@ def _export_with_failing_template(source, tmp_path):
     return broken
 
 
+# With HEAVY_STATE: eight branches of about 4,100 tokens each, 1 s or more each on 2 cores.
+EIGHT_CLAIMS = {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true?"} for i in range(8)}
+
+
+def assert_the_next_request_starts_at_once(server, engine) -> None:
+    """After work was given up: an ordinary request is answered right, with nothing left running ahead of it."""
+    request = text_request("An ordinary request afterwards.")
+    status, _, data = http_call(server.port, "POST", "/v1/systemone", json.dumps(request).encode(), {"X-Request-Id": "next"})
+    assert status == 200 and data == expected_bytes(engine, request)
+    assert server.wait_for(lambda ln: ln.get("id") == "next")["queue_ms"] < 1000
+
+
 def test_internal_failure_is_500_and_a_late_answer_is_503_and_stops_computing(tiny_export, tmp_path, engine):
     server = Worker(_export_with_failing_template(tiny_export["separate"], tmp_path), tmp_path, "--request-timeout", "3")
     try:
@@ -853,9 +865,8 @@ def test_internal_failure_is_500_and_a_late_answer_is_503_and_stops_computing(ti
         # Eight branches of about 4,100 tokens each (1 s or more each on 2 cores) against a 3 s
         # timeout: answered 503 at the timeout, and the executor stops it at its next layer instead
         # of finishing it, so the next request starts at once (it used to wait, or time out too).
-        eight = {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true?"} for i in range(8)}
         t0 = time.monotonic()
-        status, answer, _ = post(server.port, text_request(HEAVY_STATE, eight), {"X-Request-Id": "late"})
+        status, answer, _ = post(server.port, text_request(HEAVY_STATE, EIGHT_CLAIMS), {"X-Request-Id": "late"})
         assert status == 503 and "not answered within 3 s" in answer["detail"]
         assert 3 <= time.monotonic() - t0 < 15
         late = server.wait_for(lambda ln: ln.get("id") == "late")
@@ -863,10 +874,7 @@ def test_internal_failure_is_500_and_a_late_answer_is_503_and_stops_computing(ti
         stopped = server.wait_for(lambda ln: ln.get("event") == "cancelled")
         assert stopped["ids"] == ["late"] and stopped["ms_after_abandoned"] >= 0
         assert http_call(server.port, "GET", "/health")[0] == 200
-        request = text_request("An ordinary request afterwards.")
-        status, _, data = http_call(server.port, "POST", "/v1/systemone", json.dumps(request).encode(), {"X-Request-Id": "next"})
-        assert status == 200 and data == expected_bytes(engine, request)
-        assert server.wait_for(lambda ln: ln.get("id") == "next")["queue_ms"] < 1000  # nothing left running ahead of it
+        assert_the_next_request_starts_at_once(server, engine)
     finally:
         assert server.stop() == 0
 
@@ -877,8 +885,7 @@ def test_a_client_that_leaves_before_its_answer_is_499_and_its_work_stops(tiny_e
     the requests behind it waited)."""
     server = Worker(tiny_export["separate"], tmp_path)
     try:
-        eight = {f"q{i}": {"type": "noul", "instructions": f"Is claim {i} true?"} for i in range(8)}
-        body = json.dumps(text_request(HEAVY_STATE, eight)).encode()  # several seconds on 2 cores
+        body = json.dumps(text_request(HEAVY_STATE, EIGHT_CLAIMS)).encode()  # several seconds on 2 cores
         sock = open_partial(server.port, body, len(body))  # the whole request on the wire
         time.sleep(1.0)  # admitted and running
         sock.close()
@@ -886,10 +893,7 @@ def test_a_client_that_leaves_before_its_answer_is_499_and_its_work_stops(tiny_e
         assert left["detail"] == "client closed the connection before its answer" and left["executor"].startswith("still busy with it")
         stopped = server.wait_for(lambda ln: ln.get("event") == "cancelled", 30)
         assert stopped["ids"] == [left["id"]]
-        request = text_request("An ordinary request afterwards.")
-        status, _, data = http_call(server.port, "POST", "/v1/systemone", json.dumps(request).encode(), {"X-Request-Id": "after"})
-        assert status == 200 and data == expected_bytes(engine, request)
-        assert server.wait_for(lambda ln: ln.get("id") == "after")["queue_ms"] < 1000  # nothing left running ahead of it
+        assert_the_next_request_starts_at_once(server, engine)
     finally:
         assert server.stop() == 0
 
@@ -1086,6 +1090,18 @@ class _RecordingEngine:
         return [n if isinstance(n, Exception) else ValueError("bad") if n == "bad" else {"n": n} for n in batch.prepared]
 
 
+def _queued_behind_one_in_flight(engine: _RecordingEngine, names, pipelined: bool):
+    """An executor (batches of up to 8) whose first job {"n": 1} is held in its launch while jobs
+    named `names` queue behind it: (executor, first job, later jobs)."""
+    from valen_runtime.serve import Executor
+
+    executor = Executor(lambda: engine, [], max_batch=8, pipelined=pipelined)
+    executor.start()
+    first = executor.submit({"n": 1})
+    assert engine.launched.wait(30)
+    return executor, first, [executor.submit({"n": n}) for n in names]
+
+
 @pytest.mark.parametrize(
     "done_after, order",
     [
@@ -1104,14 +1120,8 @@ def test_the_pipelined_executor_answers_the_batch_in_flight_once_the_device_is_d
     the batch before them is in flight; that batch is collected as soon as the device is done with
     it (asked before each request's host work), at the latest before the new batch is launched. A
     request failing in collect fails alone."""
-    from valen_runtime.serve import Executor
-
     engine = _RecordingEngine(done_after)
-    executor = Executor(lambda: engine, [], max_batch=8, pipelined=True)
-    executor.start()
-    first = executor.submit({"n": 1})
-    assert engine.launched.wait(30)
-    later = [executor.submit({"n": n}) for n in (2, "bad", 3)]
+    executor, first, later = _queued_behind_one_in_flight(engine, (2, "bad", 3), pipelined=True)
     engine.release.set()
     assert first.future.result(30) == {"n": 1}
     assert [j.future.result(30) for j in (later[0], later[2])] == [{"n": 2}, {"n": 3}]
@@ -1126,15 +1136,9 @@ def test_a_request_that_fails_to_compile_is_answered_before_its_batch_runs():
     """A bad request's 4xx does not wait for its batch-mates' device work: it is answered once the
     batch's host work is done, before the batch is launched (here held in flight by the batch before
     it), and its batch-mates are answered as before."""
-    from valen_runtime.serve import Executor
-
     engine = _RecordingEngine()
     engine.second_release = threading.Event()
-    executor = Executor(lambda: engine, [], max_batch=8, pipelined=False)
-    executor.start()
-    first = executor.submit({"n": 1})
-    assert engine.launched.wait(30)
-    later = [executor.submit({"n": n}) for n in (2, "invalid", 3)]
+    executor, first, later = _queued_behind_one_in_flight(engine, (2, "invalid", 3), pipelined=False)
     engine.release.set()
     assert engine.second_launched.wait(30)  # the batch [2, invalid, 3] is held in its launch
     with pytest.raises(RequestError, match="invalid"):

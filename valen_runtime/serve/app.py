@@ -25,6 +25,12 @@ ROUTES = {("GET", "/health"), ("POST", "/v1/systemone")}
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 
+def _internal_error(record: dict, exc: Exception) -> tuple[int, dict]:
+    """A bug's answer in the contract's shape; its request's log line names the error."""
+    record["error"] = f"{type(exc).__name__}: {exc}"
+    return 500, {"detail": "inference failed"}
+
+
 def _json_response(status: int, body: dict, request_id: str):
     from starlette.responses import Response
 
@@ -68,13 +74,11 @@ class WorkerApp:
             log.info(record)
             return
         except Exception as exc:  # a bug here must still answer in the contract's shape
-            record["error"] = f"{type(exc).__name__}: {exc}"
-            status, body = 500, {"detail": "inference failed"}
+            status, body = _internal_error(record, exc)
         try:
             response = _json_response(status, body, request_id)
-        except ValueError as exc:  # a body JSON cannot hold (a NaN): a bug, still answered in the contract's shape
-            record["error"] = f"{type(exc).__name__}: {exc}"
-            status, body = 500, {"detail": "inference failed"}
+        except ValueError as exc:  # a body JSON cannot hold (a NaN): a bug, answered likewise
+            status, body = _internal_error(record, exc)
             response = _json_response(status, body, request_id)
         await response(scope, receive, send)
         record.update(status=status, ms=_ms(started))
